@@ -218,6 +218,12 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert capsys.readouterr().err.endswith(
         f"export the newest one beside it instead: mimo-export --checkpoint {later}\n")
     shutil.rmtree(best)
+    (later / "integrity.json").rename(later / "saved")   # its save not finished: the same
+    assert main(["--checkpoint", str(later), "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"export the newest earlier one: mimo-export --checkpoint {earlier}, or this one once "
+        "its run has saved it\n")
+    (later / "saved").rename(later / "integrity.json")
     # a step caught mid-save (its tensors, meta.json not yet written): the save, not usage
     saving = tmp_path / "ck" / "step_0000003"
     saving.mkdir()

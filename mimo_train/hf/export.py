@@ -304,12 +304,15 @@ def _beside(directory: str) -> str:
 
 def _check_saved(directory: str) -> None:
     """ExportError where the step's save has not finished: its manifest is its last file."""
-    from mimo_train.checkpoint_folders import MANIFEST as LAST
+    from mimo_train.checkpoint_folders import MANIFEST as LAST, earlier_steps
     if not os.path.isfile(os.path.join(directory, LAST)):
+        earlier = earlier_steps(directory)
         raise ExportError(f"{directory} holds no {LAST}: its save did not finish (or is still "
                           f"under way: {LAST} is written last, once every file is hashed); "
-                          "export an earlier step_* directory, or this one once its run has "
-                          "saved it", exit_code=1)
+                          + (f"export the newest {_beside(directory)}: mimo-export "
+                             f"--checkpoint {earlier[0]}" if earlier else
+                             "export an earlier step_* directory")
+                          + ", or this one once its run has saved it", exit_code=1)
 
 
 def _name(path: str) -> str:
