@@ -653,6 +653,10 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys, monke
         assert exit_.value.code == 2
         assert "go with --temperature: without it decoding is greedy" in \
             capsys.readouterr().err.replace("goes with", "go with")
+    published = REPO / "assets" / "models" / "tiny-qwen2-vl"        # not an export: said
+    assert main(["--model", str(published), "--prompt", "Hi"]) == 2
+    assert f"--model {published} is a transformers model (config.json, no manifest.json), " \
+        "not a mimo-export folder" in capsys.readouterr().err
     for checkpoint in (smollm2.checkpoint, smollm2.checkpoint.parent):   # step, checkpoint.dir
         assert main(["--model", str(checkpoint), "--prompt", "Hi"]) == 2
         assert f"--model {checkpoint} is a mimo-train checkpoint, not an export: mimo-export " \
