@@ -83,21 +83,35 @@ def test_a_tokenizer_name_found_only_in_the_working_directory_is_refused(tmp_pat
     assert f"({tmp_path / 'org' / 'tok'})" in message
 
 
-@pytest.mark.parametrize("value", ["assets/tokenizer/smollm2", "./tok", "../no/tokenizer"])
+@pytest.mark.parametrize("value", ["assets/tokenizer/smollm2", "./tok", "../no/tokenizer",
+                                   "ABSOLUTE", "FILE"])
 def test_a_wrong_tokenizer_path_names_the_key_the_yaml_and_the_path(tmp_path, value):
+    """Named once: a relative path with where it led, an absolute one as given."""
+    (tmp_path / "a-file").write_text("")
+    value = {"ABSOLUTE": str(tmp_path / "no_tok"), "FILE": str(tmp_path / "a-file")}.get(
+        value, value)
     path = _write(tmp_path / "configs" / "pre.yaml", tokenizer=value)
     with pytest.raises(ConfigError) as caught:
         PreprocessConfig.from_yaml(str(path))
     message = str(caught.value)
     resolved = os.path.normpath(os.path.join(tmp_path / "configs", value))
     assert message.startswith("tokenizer:") and str(path) in message and resolved in message
+    assert message.count(resolved) == 1, message
+    state = "is not a directory" if value.endswith("a-file") else "is not there"
+    assert message.startswith(f"tokenizer: {value!r} in {path} " + (
+        state if value == resolved else f"is {resolved}, which {state}; paths are relative "
+        "to the YAML's folder")), message
     assert "Repo id" not in message
 
 
 def test_a_wrong_tokenizer_path_from_a_dict_names_the_key(tmp_path):
     config = PreprocessConfig(tokenizer=str(tmp_path / "no" / "such" / "tokenizer"))
-    with pytest.raises(ConfigError, match=r"^tokenizer: .*no/such/tokenizer.*not a directory"):
+    with pytest.raises(ConfigError) as caught:
         load_tokenizer(config)
+    assert str(caught.value) == f"tokenizer: '{tmp_path}/no/such/tokenizer' is not there"
+    with pytest.raises(ConfigError, match=r"^tokenizer: 'no/such/' is .*/no/such, which is "
+                       r"not there \(in a YAML, paths are relative to its folder\)$"):
+        load_tokenizer(PreprocessConfig(tokenizer="no/such/"))
 
 
 def test_a_missing_template_file_names_the_key(tmp_path):

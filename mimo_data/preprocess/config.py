@@ -343,8 +343,11 @@ def _resolve(value: str, key: str, kind: str | None, yaml_path: str) -> str:
         return resolved
     exists = os.path.isdir(resolved) if kind == "directory" else os.path.isfile(resolved)
     if not exists:
-        raise ConfigError(f"{key}: {value!r} in {yaml_path} is {resolved}, which is not a "
-                          f"{kind}; paths are relative to the YAML's folder"
+        state = "is not there" if not os.path.exists(resolved) else f"is not a {kind}"
+        raise ConfigError(f"{key}: {value!r} in {yaml_path} "
+                          + (state if resolved == value else f"is {resolved}, which {state}")
+                          + ("" if os.path.isabs(os.path.expanduser(value)) else
+                             "; paths are relative to the YAML's folder")
                           + (" (or give a hub name such as HuggingFaceTB/SmolLM2-135M-Instruct)"
                              if key == "tokenizer" else ""))
     return resolved

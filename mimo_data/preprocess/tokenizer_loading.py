@@ -26,9 +26,11 @@ def load_tokenizer(config: PreprocessConfig, *, shared: bool = True):
     name = config.tokenizer
     if looks_like_path(name) and not os.path.isdir(os.path.expanduser(name)):
         # Not a hub name either: say so instead of the hub's "Repo id must be in the form".
-        raise ConfigError(f"tokenizer: {name!r} is {os.path.abspath(os.path.expanduser(name))}, "
-                          "which is not a directory (in a YAML, paths are relative to its "
-                          "folder)")
+        where = os.path.abspath(os.path.expanduser(name))
+        state = "is not there" if not os.path.exists(where) else "is not a directory"
+        raise ConfigError(f"tokenizer: {name!r} " + (
+            state if where == name else f"is {where}, which {state} (in a YAML, paths are "
+            "relative to its folder)"))
     if why := not_cached(name):
         raise ConfigError(f"tokenizer: {why}")
     key = _folder_key(name) if shared else None
