@@ -304,13 +304,14 @@ def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetun
     assert main(["--checkpoint", str(moved), "--output", str(tmp / "x1"), "--adapters"]) == 1
     assert f"the base model.pretrained {changed} is not the one the run trained on" in \
         capsys.readouterr().err and not (tmp / "x1").exists()
-    # given as --base: named so, and the advice is another --base (a merged export would
-    # take its config from the same folder)
+    # given as --base: named so, and the advice is another --base (or the merged export,
+    # whose base is checked by names and shapes: another revision of the model would do)
     assert main(["--checkpoint", str(checkpoints / f"step_{TRAIN_STEPS:07d}"), "--output",
                  str(tmp / "x1"), "--adapters", "--base", str(changed)]) == 1
     err = capsys.readouterr().err
     assert f"--adapters: --base {changed} is not the one the run trained on" in err and \
-        err.rstrip().endswith("Give --base the model the run started from"), err
+        "model. Give --base the model the run started from, or export the run merged " \
+        "(without --adapters)" in err and "Restore" not in err, err
     init = rewritten("from-init", lambda m: m["config"]["model"].update(
         init_from=str(checkpoints / "step_0000003")))
     assert main(["--checkpoint", str(init), "--output", str(tmp / "x2"), "--adapters"]) == 2
@@ -384,7 +385,8 @@ def test_another_lora_rank_or_targets_on_resume_is_named_as_such():
                               saved, True).startswith(said)
     started = _why_shapes_differ(layer + "lora.a.weight", (4, 64), (8, 64), saved, False)
     assert started == said + "start from it with rank 4, or, for new adapters of another " \
-        "rank, from its merged export (mimo-export) as model.pretrained"
+        "rank, from its merged export (mimo-export) as model.pretrained, without " \
+        "model.init_from"
     # a tower's adapters: its part named; a meta that does not say: the module
     tower = "modality_submodules.image.module.encoder.blocks.attn.qkv."
     assert _why_shapes_differ(tower + "lora.a.weight", (8, 64), (2, 64), saved,

@@ -458,6 +458,7 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
     # the module transformers' own imports see (the name bound here may be another object)
     monkeypatch.setattr(sys.modules["transformers"], "Qwen3VLVideoProcessor", Placeholder(),
                         raising=False)
+    shutil.copy(repo / name, tmp_path / name)                    # the published file again
     _processor_budgets(str(tmp_path), preprocess)
     video = preprocess.modalities["video"]
     assert json.loads((tmp_path / name).read_text()) == {

@@ -229,8 +229,10 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     saving.mkdir()
     (saving / "__0_0.distcp").write_bytes(b"")
     assert main(["--checkpoint", str(saving), "--output", str(tmp_path / "out")]) == 1
-    assert f"--checkpoint {saving} holds no meta.json: its save did not finish" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"mimo-export: --checkpoint {saving} holds no meta.json: its save "
+                          "did not finish") and "export the newest earlier one: mimo-export " \
+        f"--checkpoint {later}, or this one" in err, err
     # a checkpoint.dir copied without its latest: the newest complete step named (the
     # unfinished step_0000003 is not one)
     assert main(["--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out")]) == 2

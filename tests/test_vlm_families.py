@@ -245,8 +245,8 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path, ca
     assert main(["--checkpoint", str(replaced), "--output", str(tmp_path / "mixed")]) == 1
     err = capsys.readouterr().err
     assert f"model.pretrained {other} holds another model than the run trained (" in err and \
-        err.rstrip().endswith("Put the model the run started from back at that path, or give "
-                              "where it is now with --base DIR") and \
+        err.rstrip().endswith("would mix the two: put the model the run started from back "
+                              "at that path, or give where it is now with --base DIR") and \
         not (tmp_path / "mixed").exists(), err
     # the base (and the tokenizer read from it) moved since the run: --base says where
     import shutil
@@ -266,7 +266,8 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path, ca
                  str(other)]) == 1                         # checked as the recorded one
     err = capsys.readouterr().err          # named as given; the advice not --base again
     assert f"--base {other} holds another model than the run trained (" in err and \
-        err.rstrip().endswith("Give --base the model the run started from"), err
+        err.rstrip().endswith("would mix the two: give --base the model the run started "
+                              "from"), err
 
 
 def test_llava_finetune_trains_the_projector_with_the_tower_frozen(ranks, corpus, tmp_path):

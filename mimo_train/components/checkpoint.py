@@ -640,7 +640,7 @@ def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict, resuming: bool
                 "resume with the checkpoint's rank, or start a new run from its weights "
                 "(model.init_from) in another checkpoint.dir" if resuming else
                 f"start from it with rank {saved}, or, for new adapters of another rank, from "
-                "its merged export (mimo-export) as model.pretrained")
+                "its merged export (mimo-export) as model.pretrained, without model.init_from")
     return ANOTHER
 
 

@@ -148,8 +148,8 @@ def step_directory(path: str) -> str:
     if found == path and os.path.isdir(path) and re.fullmatch(STEP_NAME, _name(path)):
         raise ExportError(f"--checkpoint {path} holds no meta.json: its save did not finish "
                           "(or is still under way: meta.json and integrity.json are written "
-                          "last); export an earlier step_* directory, or this one once its run "
-                          "has saved it", exit_code=1)
+                          f"last); {_export_earlier(path)}, or this one once its run has saved "
+                          "it", exit_code=1)
     if found == path:
         if os.path.isdir(path):
             _no_latest(path)
@@ -302,17 +302,23 @@ def _beside(directory: str) -> str:
     return "earlier one" if re.fullmatch(STEP_NAME, _name(directory)) else "one beside it"
 
 
+def _export_earlier(directory: str) -> str:
+    """``export the newest earlier one: mimo-export --checkpoint ...`` for a step whose save
+    did not finish (``export an earlier step_* directory`` where none is beside it)."""
+    from mimo_train.checkpoint_folders import earlier_steps
+    earlier = earlier_steps(directory)
+    return (f"export the newest {_beside(directory)}: mimo-export --checkpoint {earlier[0]}"
+            if earlier else "export an earlier step_* directory")
+
+
 def _check_saved(directory: str) -> None:
     """ExportError where the step's save has not finished: its manifest is its last file."""
-    from mimo_train.checkpoint_folders import MANIFEST as LAST, earlier_steps
+    from mimo_train.checkpoint_folders import MANIFEST as LAST
     if not os.path.isfile(os.path.join(directory, LAST)):
-        earlier = earlier_steps(directory)
         raise ExportError(f"{directory} holds no {LAST}: its save did not finish (or is still "
                           f"under way: {LAST} is written last, once every file is hashed); "
-                          + (f"export the newest {_beside(directory)}: mimo-export "
-                             f"--checkpoint {earlier[0]}" if earlier else
-                             "export an earlier step_* directory")
-                          + ", or this one once its run has saved it", exit_code=1)
+                          f"{_export_earlier(directory)}, or this one once its run has saved it",
+                          exit_code=1)
 
 
 def _name(path: str) -> str:
@@ -378,8 +384,8 @@ def _adapters_base(cfg, meta: dict, directory: str, log, base_given: bool) -> st
                           "model. " + (
                               "Give --base the model the run started from" if base_given else
                               "Restore that base (a hub name's cache may now hold another "
-                              "revision of it), or export the run merged (without --adapters): "
-                              "the checkpoint holds the trained base's weights"),
+                              "revision of it)") + ", or export the run merged (without "
+                          "--adapters): the checkpoint holds the trained base's weights",
                           exit_code=1)
     return digest
 
@@ -664,10 +670,10 @@ def _language_weights(plan, tokenizer, state: dict, directory: str,
         raise ExportError(
             f"{directory}: the run's language weights have no {error}, which the config of "
             f"{pretrained} ({arch.family}) calls for: that path holds another model than the "
-            "run trained. The export takes its config from there: " + (
-                "give --base the model the run started from" if base_given else
-                "put the model the run started from back at that path (replaced since the "
-                "run?), or give where it is now with --base DIR"), exit_code=1) from None
+            "run trained (replaced since the run?). The export takes its config from there: "
+            + _put_back(base_given, movable=bool(plan.config.model.pretrained) and (
+                os.path.abspath(plan.config.model.pretrained) == os.path.abspath(pretrained))),
+            exit_code=1) from None
 
 
 def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapters: bool,
@@ -718,14 +724,14 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
               for ours, theirs in renames if key.startswith(ours)}
     # the tower first: a model of another size there fails on its projection, not on the
     # language embedding's rows
-    _check_base(towers, checkpoint, _base_named(vlm.path, base_given), directory)
+    _check_base(towers, checkpoint, vlm.path, base_given, directory)
     hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory, base_given)
     # fused experts in the layout the checkpoint holds them (Qwen3-VL-MoE publishes them
     # transposed from transformers 5's in-memory layout, which causal_lm.to_hf gives)
     for name in [n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         if name in checkpoint and tuple(hf[name].shape) != checkpoint.shape(name):
             hf[name] = hf[name].transpose(1, 2).contiguous()
-    _check_base(hf, checkpoint, _base_named(vlm.path, base_given), directory)
+    _check_base(hf, checkpoint, vlm.path, base_given, directory)
     hf.update(towers)
     # the tower's weights the run did not hold (a LLaVA tower's layers past the one it reads),
     # as the checkpoint has them; the layers mimo does not build (Qwen3.5's multi-token
@@ -753,12 +759,22 @@ def _base_named(path: str, given: bool) -> str:
     return f"--base {path}" if given else f"model.pretrained {path}"
 
 
-def _check_base(hf: dict, checkpoint, named: str, directory: str) -> None:
+def _put_back(base_given: bool, movable: bool = True) -> str:
+    """What to do about a base that holds another model than the run trained: give the right
+    one (``base_given``: with ``--base``; ``movable``: the folder is model.pretrained's, which
+    ``--base`` moves)."""
+    if base_given:
+        return "give --base the model the run started from"
+    return "put the model the run started from back at that path" + (
+        ", or give where it is now with --base DIR" if movable else "")
+
+
+def _check_base(hf: dict, checkpoint, base: str, base_given: bool, directory: str) -> None:
     """ExportError (exit 1) where the run's weights do not fit ``model.pretrained`` as it is
-    now (``checkpoint``; ``named``: ``_base_named``): the export takes its config, and the
-    weights the run did not hold, from there, so another model there (replaced since the run)
-    would be mixed into it. A vocabulary the run grew is its embedding's and output layer's
-    extra rows."""
+    now (``checkpoint``, at ``base``; ``base_given``: moved there by ``--base``): the export
+    takes its config, and the weights the run did not hold, from there, so another model
+    there (replaced since the run) would be mixed into it. A vocabulary the run grew is its
+    embedding's and output layer's extra rows."""
     differ = []
     for name, value in hf.items():
         ours = tuple(value.shape)
@@ -770,13 +786,10 @@ def _check_base(hf: dict, checkpoint, named: str, directory: str) -> None:
                           f"{ours} trained")
     if differ:
         raise ExportError(
-            f"{directory}: {named} holds another model than the run trained "
-            f"({len(differ)} of its weights differ, e.g. {'; '.join(differ[:2])}): the export "
-            "takes its config and the weights the run did not hold from there, and would mix "
-            "the two. " + ("Give --base the model the run started from"
-                           if named.startswith("--base") else
-                           "Put the model the run started from back at that path, or give "
-                           "where it is now with --base DIR"), exit_code=1)
+            f"{directory}: {_base_named(base, base_given)} holds another model than the run "
+            f"trained ({len(differ)} of its weights differ, e.g. {'; '.join(differ[:2])}): the "
+            "export takes its config and the weights the run did not hold from there, and "
+            f"would mix the two: {_put_back(base_given)}", exit_code=1)
 
 
 def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype: str) -> None:
@@ -933,8 +946,9 @@ def _processor_budgets(out: str, preprocess) -> None:
     reads (``min_pixels`` / ``max_pixels`` and ``size``'s ``shortest_edge`` /
     ``longest_edge``, each where the file has it), and its video frame sampling (``fps``,
     ``min_frames``, ``max_frames``, ``cap_pixels_per_frame``, ``max_video_tokens``: where the
-    file has it, or where the processor's class default differs or is None); a file whose
-    values are the run's stays as it is."""
+    file has it, where the processor's class default differs, and ``cap_pixels_per_frame``
+    where the class has it, its default None being one transformers says will change); a file
+    whose values are the run's stays as it is but for that."""
     for name, section, modality in (("preprocessor_config.json", None, "image"),
                                     (VIDEO_PROCESSOR, None, "video"),
                                     (NESTED_PROCESSOR, "image_processor", "image"),
@@ -966,7 +980,7 @@ def _processor_budgets(out: str, preprocess) -> None:
 
 # a class default that cannot be read: the run's value is written out
 UNREADABLE = object()
-NO_KEY = object()        # no such class, or a class without the key: nothing written
+NO_KEY = object()        # no such class, or a class without the key
 
 
 def _class_default(data: dict, key: str):
