@@ -84,12 +84,13 @@ def test_a_tokenizer_name_found_only_in_the_working_directory_is_refused(tmp_pat
 
 
 @pytest.mark.parametrize("value", ["assets/tokenizer/smollm2", "./tok", "../no/tokenizer",
-                                   "ABSOLUTE", "FILE"])
+                                   "ABSOLUTE", "ABSOLUTE/", "FILE"])
 def test_a_wrong_tokenizer_path_names_the_key_the_yaml_and_the_path(tmp_path, value):
-    """Named once: a relative path with where it led, an absolute one as given."""
+    """Named once: a relative path with where it led, an absolute one as given (a trailing
+    slash too), without the hint on relative paths."""
     (tmp_path / "a-file").write_text("")
-    value = {"ABSOLUTE": str(tmp_path / "no_tok"), "FILE": str(tmp_path / "a-file")}.get(
-        value, value)
+    value = value.replace("ABSOLUTE", str(tmp_path / "no_tok")).replace(
+        "FILE", str(tmp_path / "a-file"))
     path = _write(tmp_path / "configs" / "pre.yaml", tokenizer=value)
     with pytest.raises(ConfigError) as caught:
         PreprocessConfig.from_yaml(str(path))
@@ -99,9 +100,19 @@ def test_a_wrong_tokenizer_path_names_the_key_the_yaml_and_the_path(tmp_path, va
     assert message.count(resolved) == 1, message
     state = "is not a directory" if value.endswith("a-file") else "is not there"
     assert message.startswith(f"tokenizer: {value!r} in {path} " + (
-        state if value == resolved else f"is {resolved}, which {state}; paths are relative "
-        "to the YAML's folder")), message
+        state + " (or give a hub name" if os.path.isabs(value) else
+        f"is {resolved}, which {state}; paths are relative to the YAML's folder")), message
     assert "Repo id" not in message
+
+
+def test_a_wrong_template_path_names_the_key_and_where_a_home_path_led(tmp_path):
+    path = _write(tmp_path / "pre.yaml", tokenizer=str(TOKENIZER),
+                  chat_template="~/no-such/chatml.jinja")
+    with pytest.raises(ConfigError) as caught:
+        PreprocessConfig.from_yaml(str(path))
+    home = os.path.expanduser("~/no-such/chatml.jinja")
+    assert str(caught.value) == f"chat_template: '~/no-such/chatml.jinja' in {path} ({home}) " \
+        "is not there"
 
 
 def test_a_wrong_tokenizer_path_from_a_dict_names_the_key(tmp_path):
@@ -112,6 +123,8 @@ def test_a_wrong_tokenizer_path_from_a_dict_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"^tokenizer: 'no/such/' is .*/no/such, which is "
                        r"not there \(in a YAML, paths are relative to its folder\)$"):
         load_tokenizer(PreprocessConfig(tokenizer="no/such/"))
+    with pytest.raises(ConfigError, match=r"^tokenizer: '/no/such/' is not there$"):
+        load_tokenizer(PreprocessConfig(tokenizer="/no/such/"))
 
 
 def test_a_missing_template_file_names_the_key(tmp_path):

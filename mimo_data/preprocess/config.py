@@ -329,6 +329,17 @@ def looks_like_path(value: str, base: str = ".") -> bool:
             or os.path.exists(os.path.join(base, os.path.expanduser(value))))
 
 
+def wrong_path(named: str, value: str, resolved: str, kind: str, relative_hint: str) -> str:
+    """The refusal of a path ``value`` that is no ``kind`` ("directory", "file") at
+    ``resolved``: ``named`` (the key and value), then, for a relative one, where it led and
+    ``relative_hint``, for an absolute one (``~`` expanded) that alone."""
+    state = f"is not a {kind}" if os.path.exists(resolved) else "is not there"
+    if os.path.isabs(os.path.expanduser(value)):
+        expanded = os.path.expanduser(value)
+        return f"{named} {state}" if expanded == value else f"{named} ({expanded}) {state}"
+    return f"{named} is {resolved}, which {state}{relative_hint}"
+
+
 def _resolve(value: str, key: str, kind: str | None, yaml_path: str) -> str:
     """``value`` of ``key`` as an absolute path when it is one (against the YAML's folder),
     which must be a ``kind`` ("directory" or "file"; None: not checked)."""
@@ -343,11 +354,8 @@ def _resolve(value: str, key: str, kind: str | None, yaml_path: str) -> str:
         return resolved
     exists = os.path.isdir(resolved) if kind == "directory" else os.path.isfile(resolved)
     if not exists:
-        state = "is not there" if not os.path.exists(resolved) else f"is not a {kind}"
-        raise ConfigError(f"{key}: {value!r} in {yaml_path} "
-                          + (state if resolved == value else f"is {resolved}, which {state}")
-                          + ("" if os.path.isabs(os.path.expanduser(value)) else
-                             "; paths are relative to the YAML's folder")
+        raise ConfigError(wrong_path(f"{key}: {value!r} in {yaml_path}", value, resolved, kind,
+                                     "; paths are relative to the YAML's folder")
                           + (" (or give a hub name such as HuggingFaceTB/SmolLM2-135M-Instruct)"
                              if key == "tokenizer" else ""))
     return resolved

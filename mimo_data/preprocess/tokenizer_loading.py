@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from mimo_data.errors import ConfigError
 from mimo_data.hub import not_cached
-from mimo_data.preprocess.config import PreprocessConfig, looks_like_path
+from mimo_data.preprocess.config import PreprocessConfig, looks_like_path, wrong_path
 
 
 def load_tokenizer(config: PreprocessConfig, *, shared: bool = True):
@@ -26,11 +26,9 @@ def load_tokenizer(config: PreprocessConfig, *, shared: bool = True):
     name = config.tokenizer
     if looks_like_path(name) and not os.path.isdir(os.path.expanduser(name)):
         # Not a hub name either: say so instead of the hub's "Repo id must be in the form".
-        where = os.path.abspath(os.path.expanduser(name))
-        state = "is not there" if not os.path.exists(where) else "is not a directory"
-        raise ConfigError(f"tokenizer: {name!r} " + (
-            state if where == name else f"is {where}, which {state} (in a YAML, paths are "
-            "relative to its folder)"))
+        raise ConfigError(wrong_path(f"tokenizer: {name!r}", name,
+                                     os.path.abspath(os.path.expanduser(name)), "directory",
+                                     " (in a YAML, paths are relative to its folder)"))
     if why := not_cached(name):
         raise ConfigError(f"tokenizer: {why}")
     key = _folder_key(name) if shared else None
