@@ -81,9 +81,9 @@ def _planted_records(assets) -> list[dict]:
         # A second answer without text: its end of turn is all it trains.
         {"id": "fault-empty-answer", "messages": turns(
             ("user", "Hi"), ("assistant", "Hello."), ("user", "And then?"), ("assistant", ""))},
-        # Patched after the build (a build skips a conversation without an answer, as an
-        # older one or a tar indexed in place did not): the answer made a user's turn, so
-        # nothing is left to train on.
+        # Patched after the build (a build or an index skips a conversation without an
+        # answer, as an older one did not): the answer made a user's turn, so nothing is left
+        # to train on.
         {"id": "fault-prompt-only", "images": [image], "messages": turns(
             ("user", "<image>\nDescribe the image."), ("assistant", "A photo."))},
         # An answer starting with newlines: a token straddles the trained span's edge.

@@ -1043,6 +1043,11 @@ def test_a_conversation_or_document_json_mimo_cannot_find_says_why():
                        "different turns") as caught:
         synthesize({"json": json.dumps(both).encode()}, MemberMap("conversation"))
     assert caught.value.reason == "malformed_record"
+    # a prompt without its answer: no_trained_tokens, as mimo-shard build skips it
+    with pytest.raises(RecordError, match="the conversation has no assistant turn") as caught:
+        synthesize({"json": json.dumps({"messages": chat("Hi.", "Yo.")[:1]}).encode()},
+                   MemberMap("conversation"))
+    assert caught.value.reason == "no_trained_tokens"
     # a JSON member that is not UTF-8: invalid_utf8, as a text member's or a JSONL line's
     with pytest.raises(RecordError, match=re.escape(
             "member KEY.json is not UTF-8 (nor UTF-16/32) text")) as caught:

@@ -141,8 +141,8 @@ def test_a_missing_samples_table_is_listed_by_verify_which_the_others_point_to(c
     code, _, err = cli_main(capsys, "info", dataset)
     assert code == 1 and "samples.parquet missing (the dataset is incomplete)" in err and \
         f"`mimo-shard verify {dataset}` checks the rest" in err, err
-    assert f"samples.parquet: missing, not at {dataset}/samples.parquet" in \
-        _verify(capsys, dataset)
+    assert f"samples.parquet: missing, not at {dataset}/samples.parquet: restore it, or " \
+        "rebuild the dataset" in _verify(capsys, dataset)
 
 
 def test_verify_of_a_directory_without_index_fails(capsys, tmp_path):

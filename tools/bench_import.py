@@ -40,8 +40,8 @@ import tempfile
 
 import torch
 
-from mimo_train.families.base import CheckpointWeights, Tensors
 from mimo_data.process_memory import status_bytes
+from mimo_train.families.base import CheckpointWeights, Tensors
 from mimo_train.families.causal_lm.weights import to_megatron_by_layer
 from mimo_train.families.registry import language_arch
 

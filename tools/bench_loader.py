@@ -127,9 +127,13 @@ def throughput(dataset: str, config: str, micro: int, global_batch: int, workers
               f"{rates[('language rank', count)] / encoder:.1f}x (target >= 10)")
 
 
+def _rss_mb() -> float:
+    return status_bytes("VmRSS")["VmRSS"] / 2**20
+
+
 def rss(small: str, large: str, config: str, micro: int, global_batch: int) -> None:
     for name, dataset in (("1k", small), ("large", large)):
-        before = status_bytes("VmRSS")["VmRSS"] / 2**20
+        before = _rss_mb()
         start = time.perf_counter()
         source = DataSource(dataset, config)
         loader = build_loader(source, None, LAYOUT, LANGUAGE_RANK, 3, global_batch, micro,
@@ -137,7 +141,7 @@ def rss(small: str, large: str, config: str, micro: int, global_batch: int) -> N
         assert loader is not None                  # the language rank needs data
         print(f"{name} dataset ({len(source.readers[0])} samples): loader built in "
               f"{time.perf_counter() - start:.1f} s (drop decisions included), RSS "
-              f"{before:.0f} -> {status_bytes("VmRSS")["VmRSS"] / 2**20:.0f} MB")
+              f"{before:.0f} -> {_rss_mb():.0f} MB")
         if dataset is not large:
             del loader, source
             continue
@@ -147,11 +151,14 @@ def rss(small: str, large: str, config: str, micro: int, global_batch: int) -> N
             consumed += len(metadata["keys"])
             for mark in (1000, 10000, 25000):
                 if consumed >= mark and mark not in marks:
-                    marks[mark] = status_bytes("VmRSS")["VmRSS"] / 2**20
-        marks[consumed] = status_bytes("VmRSS")["VmRSS"] / 2**20
+                    marks[mark] = _rss_mb()
+        marks[consumed] = _rss_mb()
         seconds = time.perf_counter() - start
         print(f"language rank RSS while iterating {consumed} samples ({consumed / seconds:.0f} "
               "samples/s): " + ", ".join(f"{m} samples {v:.0f} MB" for m, v in marks.items()))
+        if 1000 not in marks:                    # samples dropped by preprocessing
+            print(f"RSS growth not measured: the loader gave {consumed} samples, under 1k")
+            return
         growth = marks[consumed] / marks[1000] - 1
         print(f"RSS growth from 1k to {consumed} samples: {growth:+.1%} (target within ±10%)")
 
@@ -167,9 +174,10 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
-    if 0 < args.rss_samples <= 1000:
-        parser.error(f"--rss-samples {args.rss_samples}: give more than 1000 (the growth is "
-                     "measured from the first 1k samples), or 0 to skip the RSS run")
+    if args.rss_samples < 0 or 0 < args.rss_samples <= 1000 + args.global_batch_size:
+        parser.error(f"--rss-samples {args.rss_samples}: give more than 1000 + a global batch "
+                     "(the growth is measured from the first 1k samples), or 0 to skip the "
+                     "RSS run")
     torch.set_num_threads(1)      # as in a DataLoader worker: one process is one core
     work = tempfile.mkdtemp(prefix="bench_loader_")
     try:

@@ -286,7 +286,8 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
     for name, expected in index["files"].items():
         location = storage.join(directory, name)
         if not storage.exists(location):
-            problems.append(f"{name}: missing, not at {location}")
+            problems.append(f"{name}: missing, not at {location}: restore it, or "
+                            f"{remake(index)}")
             continue
         with storage.local_copy(location) as path:
             problems += _check_file(path, expected)

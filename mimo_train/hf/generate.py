@@ -178,9 +178,10 @@ class Generator:
                                 "then mimo-generate --model OUT")
         if not os.path.isfile(path) and os.path.isfile(os.path.join(model_dir, "config.json")):
             raise GenerateError(f"--model {model_dir} is a transformers model (config.json, no "
-                                f"{MANIFEST}), not a mimo-export folder: mimo-generate runs "
-                                "what mimo-export wrote, with its run's preprocessing; generate "
-                                "with this one through transformers (its model's generate)")
+                                f"{MANIFEST}), not a mimo-export folder (or one that lost its "
+                                f"{MANIFEST}: copy it again): mimo-generate runs what "
+                                "mimo-export wrote, with its run's preprocessing; generate with "
+                                "this one through transformers (its model's generate)")
         if not os.path.isdir(model_dir):
             raise GenerateError(f"--model {model_dir} is " + (
                 "a file" if os.path.isfile(model_dir) else "not there") + ": give the "
