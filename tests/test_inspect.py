@@ -793,6 +793,10 @@ def test_sample_of_a_dropped_or_mismatched_sample_fails(capsys, faulty, configs)
                          "--key", keys["fault-prompt-only"], "--color", "never")
     assert code == 1
     assert "DROPPED (no_trained_tokens)" in out
+    assert re.search(r"^image +expected \[\d+\] tokens per item from metadata \(no input_ids",
+                     out, re.M), out
+    from mimo_data.inspect.sample import _counts     # an item the metadata cannot size: ?
+    assert _counts([64, None]) == "[64, ?]"
     assert "«" not in out.split("-" * 80 + "\n", 1)[1]
     assert "[<|image_pad|>×" in out                 # its tokens are still shown
     assert keys["fault-prompt-only"] in err

@@ -203,6 +203,12 @@ def sample_problems(stats: SampleStats) -> list[str]:
     return problems
 
 
+def _counts(tokens: list[int | None]) -> str:
+    """Tokens per item for people: ``[64, ?]`` (``?``: what the metadata cannot say, as the
+    media line writes it)."""
+    return "[" + ", ".join("?" if n is None else str(n) for n in tokens) + "]"
+
+
 def format_sample(inspector: SampleInspector, record: Record, stats: SampleStats,
                   sample: Sample | None, total: int, color: bool) -> str:
     """Header (status, placeholder counts, media), legend and coloured tokens of one sample."""
@@ -225,15 +231,15 @@ def format_sample(inspector: SampleInspector, record: Record, stats: SampleStats
             continue
         expected = [expected_item_tokens(item, config) for item in items]
         if stats.dropped:
-            lines.append(f"{modality:11s} expected {expected} tokens per item from metadata "
-                         "(no input_ids: the sample is dropped)")
+            lines.append(f"{modality:11s} expected {_counts(expected)} tokens per item from "
+                         "metadata (no input_ids: the sample is dropped)")
             continue
         kept = stats.expected.get(modality, [])
         placeholders = stats.placeholders.get(modality, 0)
         verdict = ("OK" if None not in kept and placeholders == sum(k or 0 for k in kept)
                    else "MISMATCH")
         lines.append(f"{modality:11s} {placeholders} placeholder tokens in input_ids, expected "
-                     f"{sum(n for n in kept if n is not None)} from metadata {kept}"
+                     f"{sum(n for n in kept if n is not None)} from metadata {_counts(kept)}"
                      + (f" ({len(items) - len(kept)} item(s) in removed turns)"
                         if len(items) > len(kept) else "") + f"  {verdict}")
     for i, item in enumerate(media):
