@@ -466,6 +466,23 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
         "max_frames": video.max_frames, "cap_pixels_per_frame": False, "max_video_tokens": 768}
 
 
+def test_the_derived_video_config_writes_the_frame_sampling_it_takes():
+    """``--preprocessing-for`` writes the frames a clip is sampled to (transformers' class
+    defaults where the checkpoint saves none; fps 2, qwen-vl-utils', where the class has none
+    either, as Qwen2-VL's) rather than leave them to unwritten defaults, and no null."""
+    import transformers
+
+    from mimo_train.families.registry import preprocessing_for
+    for repo, kind in (("Qwen--Qwen2.5-VL-3B-Instruct", "Qwen2VLVideoProcessor"),
+                       ("Qwen--Qwen3-VL-2B-Instruct", "Qwen3VLVideoProcessor")):
+        video = preprocessing_for(str(PUBLISHED / repo))["modalities"]["video"]
+        assert None not in video.values(), video
+        processor = getattr(transformers, kind)
+        assert (video["fps"], video["min_frames"], video["max_frames"]) == (
+            getattr(processor, "fps", None) or 2.0, processor.min_frames,
+            processor.max_frames), video
+
+
 PUBLISHED_LANGUAGE = {
     "Qwen/Qwen2-VL-2B-Instruct": (28, 1536, 12, 2, 151936, True, (16, 24, 24)),
     "Qwen/Qwen2-VL-7B-Instruct": (28, 3584, 28, 4, 152064, False, (16, 24, 24)),

@@ -52,15 +52,18 @@ def tokens_per_second(config) -> float | None:
 
 
 def video_settings(config, processor: dict) -> dict:
-    """``modalities.video``: the image geometry (one tower, ``image_geometry``), the video
-    processor's frame sampling (and per-frame pixel cap) where the checkpoint saves one, and
-    the time scaling."""
+    """``modalities.video``: the image geometry (one tower, ``image_geometry``), the frame
+    sampling (the video processor's where the checkpoint saves it, else the one preprocessing
+    takes by default, written out for people to see), its per-frame pixel cap where saved, and
+    the time scaling where the model has one."""
     geometry = image_geometry(config, processor)
     del geometry["policy"]
-    sampling = {key: processor[key] for key in ("fps", "min_frames", "max_frames",
-                                                "cap_pixels_per_frame", "max_video_tokens")
-                if processor.get(key) is not None}
-    return {**geometry, **sampling, "tokens_per_second": tokens_per_second(config)}
+    sampling = {key: processor[key] if processor.get(key) is not None else
+                getattr(VideoConfig, key) for key in ("fps", "min_frames", "max_frames")}
+    sampling.update((key, processor[key]) for key in ("cap_pixels_per_frame", "max_video_tokens")
+                    if processor.get(key) is not None)
+    scale = tokens_per_second(config)
+    return {**geometry, **sampling, **({"tokens_per_second": scale} if scale is not None else {})}
 
 
 def image_geometry(config, processor: dict) -> dict:
