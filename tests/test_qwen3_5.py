@@ -289,7 +289,7 @@ def test_export_onto_a_moved_base_or_another_model(run, colocated, capsys, tmp_p
     assert export(["--checkpoint", str(step), "--output", str(tmp_path / "mixed"), "--base",
                    str(other)]) == 1
     err = capsys.readouterr().err
-    assert f"which the config of {other}" in err and "holds another model than the run " \
+    assert f"which the config of --base {other}" in err and "holds another model than the run " \
         "trained" in err and err.rstrip().endswith(
             "give --base the model the run started from") and \
         not (tmp_path / "mixed").exists(), err

@@ -327,6 +327,32 @@ def test_a_language_model_without_a_causal_lm_equivalent_is_not_exported(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000001"]
 
 
+def test_a_language_model_that_is_not_the_runs_is_named_without_base(smollm2, tmp_path,
+                                                                     monkeypatch, capsys):
+    """A causal-LM run (no model.pretrained) whose model.language.pretrained calls for a weight
+    the run did not train (another model there since): refused, exit 1, naming the setting;
+    --base is not offered (it moves a whole VLM's folder only)."""
+    from mimo_train.components import checkpoint
+    from mimo_train.hf.export import main
+
+    weights = checkpoint.load_weights(str(smollm2.checkpoint))
+    lost = next(key for key in weights["language"] if key.endswith("mlp.linear_fc1.weight"))
+    del weights["language"][lost]
+    directory = tmp_path / "step_0000001"
+    directory.mkdir()
+    (directory / "meta.json").write_text((smollm2.checkpoint / "meta.json").read_text())
+    (directory / "integrity.json").write_text("{}")     # saved (its weights stood in for)
+    monkeypatch.setattr(checkpoint, "load_weights", lambda d: weights)
+    assert main(["--checkpoint", str(directory), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    pretrained = json.loads((directory / "meta.json").read_text())["config"]["model"][
+        "language"]["pretrained"]
+    assert f"have no '{lost}', which the config of model.language.pretrained {pretrained} " \
+        in err and err.rstrip().endswith("The export takes its config from there: put the "
+                                         "model the run started from back at that path"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_preprocessing_config_this_mimo_does_not_read_is_named_to_fix(smollm2, tmp_path,
                                                                          monkeypatch, capsys):
     """The run's preprocessing YAML, there but refused now (a key given twice, which an older

@@ -54,16 +54,15 @@ def tokens_per_second(config) -> float | None:
 def video_settings(config, processor: dict) -> dict:
     """``modalities.video``: the image geometry (one tower, ``image_geometry``), the frame
     sampling (the video processor's where the checkpoint saves it, else the one preprocessing
-    takes by default, written out for people to see), its per-frame pixel cap where saved, and
-    the time scaling where the model has one."""
+    takes by default, written out for people to see) and its per-frame pixel cap where saved;
+    Qwen2-VL has no time scaling (``qwen2_5_vl.video_settings`` adds Qwen2.5-VL's)."""
     geometry = image_geometry(config, processor)
     del geometry["policy"]
     sampling = {key: processor[key] if processor.get(key) is not None else
                 getattr(VideoConfig, key) for key in ("fps", "min_frames", "max_frames")}
     sampling.update((key, processor[key]) for key in ("cap_pixels_per_frame", "max_video_tokens")
                     if processor.get(key) is not None)
-    scale = tokens_per_second(config)
-    return {**geometry, **sampling, **({"tokens_per_second": scale} if scale is not None else {})}
+    return {**geometry, **sampling}
 
 
 def image_geometry(config, processor: dict) -> dict:

@@ -148,8 +148,7 @@ def step_directory(path: str) -> str:
     if found == path and os.path.isdir(path) and re.fullmatch(STEP_NAME, _name(path)):
         raise ExportError(f"--checkpoint {path} holds no meta.json: its save did not finish "
                           "(or is still under way: meta.json and integrity.json are written "
-                          f"last); {_export_earlier(path)}, or this one once its run has saved "
-                          "it", exit_code=1)
+                          f"last); {_export_earlier(path)}", exit_code=1)
     if found == path:
         if os.path.isdir(path):
             _no_latest(path)
@@ -303,12 +302,13 @@ def _beside(directory: str) -> str:
 
 
 def _export_earlier(directory: str) -> str:
-    """``export the newest earlier one: mimo-export --checkpoint ...`` for a step whose save
-    did not finish (``export an earlier step_* directory`` where none is beside it)."""
+    """What to export instead of a step whose save did not finish: the newest complete one
+    beside it, or this one once saved."""
     from mimo_train.checkpoint_folders import earlier_steps
     earlier = earlier_steps(directory)
-    return (f"export the newest {_beside(directory)}: mimo-export --checkpoint {earlier[0]}"
-            if earlier else "export an earlier step_* directory")
+    return (f"export the newest {_beside(directory)}: mimo-export --checkpoint {earlier[0]}, or "
+            "this one once its run has saved it" if earlier else
+            "export it once its run has saved it (no complete step is beside it)")
 
 
 def _check_saved(directory: str) -> None:
@@ -317,8 +317,7 @@ def _check_saved(directory: str) -> None:
     if not os.path.isfile(os.path.join(directory, LAST)):
         raise ExportError(f"{directory} holds no {LAST}: its save did not finish (or is still "
                           f"under way: {LAST} is written last, once every file is hashed); "
-                          f"{_export_earlier(directory)}, or this one once its run has saved it",
-                          exit_code=1)
+                          f"{_export_earlier(directory)}", exit_code=1)
 
 
 def _name(path: str) -> str:
@@ -667,13 +666,15 @@ def _language_weights(plan, tokenizer, state: dict, directory: str,
     try:
         return to_hf([state], arch, vocab_rows=rows), rows
     except KeyError as error:        # the config read now asks for weights the run never had
+        # --base moves a whole VLM's folder (its language model's too), not a causal LM's
+        movable = plan.vlm is not None
+        named = _base_named(pretrained, base_given) if movable else \
+            f"model.language.pretrained {pretrained}"
         raise ExportError(
             f"{directory}: the run's language weights have no {error}, which the config of "
-            f"{pretrained} ({arch.family}) calls for: that path holds another model than the "
-            "run trained (replaced since the run?). The export takes its config from there: "
-            + _put_back(base_given, movable=bool(plan.config.model.pretrained) and (
-                os.path.abspath(plan.config.model.pretrained) == os.path.abspath(pretrained))),
-            exit_code=1) from None
+            f"{named} ({arch.family}) calls for: that path holds another model than the run "
+            f"trained{'' if base_given else ' (replaced since the run?)'}. The export takes its "
+            f"config from there: {_put_back(base_given, movable)}", exit_code=1) from None
 
 
 def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapters: bool,
@@ -759,7 +760,7 @@ def _base_named(path: str, given: bool) -> str:
     return f"--base {path}" if given else f"model.pretrained {path}"
 
 
-def _put_back(base_given: bool, movable: bool = True) -> str:
+def _put_back(base_given: bool, movable: bool) -> str:
     """What to do about a base that holds another model than the run trained: give the right
     one (``base_given``: with ``--base``; ``movable``: the folder is model.pretrained's, which
     ``--base`` moves)."""
@@ -789,7 +790,7 @@ def _check_base(hf: dict, checkpoint, base: str, base_given: bool, directory: st
             f"{directory}: {_base_named(base, base_given)} holds another model than the run "
             f"trained ({len(differ)} of its weights differ, e.g. {'; '.join(differ[:2])}): the "
             "export takes its config and the weights the run did not hold from there, and "
-            f"would mix the two: {_put_back(base_given)}", exit_code=1)
+            f"would mix the two: {_put_back(base_given, movable=True)}", exit_code=1)
 
 
 def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype: str) -> None:
@@ -946,9 +947,10 @@ def _processor_budgets(out: str, preprocess) -> None:
     reads (``min_pixels`` / ``max_pixels`` and ``size``'s ``shortest_edge`` /
     ``longest_edge``, each where the file has it), and its video frame sampling (``fps``,
     ``min_frames``, ``max_frames``, ``cap_pixels_per_frame``, ``max_video_tokens``: where the
-    file has it, where the processor's class default differs, and ``cap_pixels_per_frame``
-    where the class has it, its default None being one transformers says will change); a file
-    whose values are the run's stays as it is but for that."""
+    file has it, where the processor's class default differs or cannot be read, and
+    ``cap_pixels_per_frame`` also where the class has it, its default None being one
+    transformers says will change, or where the run capped); a file whose values are the
+    run's stays as it is but for ``cap_pixels_per_frame``."""
     for name, section, modality in (("preprocessor_config.json", None, "image"),
                                     (VIDEO_PROCESSOR, None, "video"),
                                     (NESTED_PROCESSOR, "image_processor", "image"),
