@@ -423,13 +423,13 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
     import sys
 
     from mimo_train.families.registry import preprocessing_for
-    from mimo_train.hf.export import _processor_budgets
+    from mimo_train.hf.processor_files import processor_budgets
     repo = PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct"
     preprocess = PreprocessConfig.from_dict(preprocessing_for(str(repo)))
     name = "video_preprocessor_config.json"
     published = json.loads((repo / name).read_text())
     shutil.copy(repo / name, tmp_path / name)
-    _processor_budgets(str(tmp_path), preprocess)
+    processor_budgets(str(tmp_path), preprocess)
     assert json.loads((tmp_path / name).read_text()) == {**published,
                                                         "cap_pixels_per_frame": False}
     # a run that capped each frame's pixels (Qwen3-VL's 768 tokens a frame, its class
@@ -442,7 +442,7 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
         **preprocess.modalities, "video": dataclasses.replace(video, cap_pixels_per_frame=True)})
     (tmp_path / "capped").mkdir()
     shutil.copy(repo / name, tmp_path / "capped" / name)
-    _processor_budgets(str(tmp_path / "capped"), capped)
+    processor_budgets(str(tmp_path / "capped"), capped)
     assert json.loads((tmp_path / "capped" / name).read_text()) == {
         **published, "cap_pixels_per_frame": True}
     # ... and read back as such: that export as model.pretrained preprocesses as it trained
@@ -459,7 +459,7 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
     monkeypatch.setattr(sys.modules["transformers"], "Qwen3VLVideoProcessor", Placeholder(),
                         raising=False)
     shutil.copy(repo / name, tmp_path / name)                    # the published file again
-    _processor_budgets(str(tmp_path), preprocess)
+    processor_budgets(str(tmp_path), preprocess)
     video = preprocess.modalities["video"]
     assert json.loads((tmp_path / name).read_text()) == {
         **published, "fps": video.fps, "min_frames": video.min_frames,
@@ -533,7 +533,7 @@ def test_an_adapters_export_names_its_processor(tmp_path):
 
     from transformers import AutoProcessor
 
-    from mimo_train.hf.export import _name_processor
+    from mimo_train.hf.processor_files import name_processor
     tiny = MODELS / "tiny-qwen2-vl"
     assert "processor_class" not in json.loads((tiny / "preprocessor_config.json").read_text())
     out = tmp_path / "adapters"
@@ -541,11 +541,11 @@ def test_an_adapters_export_names_its_processor(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "preprocessor_config.json"):
         shutil.copyfile(tiny / name, out / name)
-    _name_processor(str(out), str(tiny))
+    name_processor(str(out), str(tiny))
     assert type(AutoProcessor.from_pretrained(out)).__name__ == "Qwen2VLProcessor"
     published = PUBLISHED / "Qwen--Qwen2.5-VL-3B-Instruct"
     shutil.copyfile(published / "preprocessor_config.json", out / "preprocessor_config.json")
-    _name_processor(str(out), str(tiny))        # named already: left as it is
+    name_processor(str(out), str(tiny))        # named already: left as it is
     assert (out / "preprocessor_config.json").read_bytes() == \
         (published / "preprocessor_config.json").read_bytes()
 
@@ -566,7 +566,7 @@ def test_a_processor_saved_by_transformers_5_is_read_checked_and_exported(reposi
     from mimo_train.errors import EncoderBuildError
     from mimo_train.families.base import check_preprocessor, normalization
     from mimo_train.families.registry import preprocessing_for
-    from mimo_train.hf.export import _copy_processor
+    from mimo_train.hf.processor_files import copy_processor
     repo = PUBLISHED / repository.replace("/", "--")
     saved = tmp_path / "saved"
     AutoProcessor.from_pretrained(repo).save_pretrained(saved)
@@ -594,7 +594,7 @@ def test_a_processor_saved_by_transformers_5_is_read_checked_and_exported(reposi
         "video": dataclasses.replace(video, max_pixels=MAX_PIXELS, fps=1.0)})
     out = tmp_path / "export"
     out.mkdir()
-    _copy_processor(str(saved), str(out), run, None)
+    copy_processor(str(saved), str(out), run, None)
     assert not os.path.exists(out / "video_preprocessor_config.json")
     assert AutoImageProcessor.from_pretrained(out).size["longest_edge"] == MAX_PIXELS
     section = json.loads((out / "processor_config.json").read_text())["video_processor"]
