@@ -75,6 +75,28 @@ def test_verify_fails_when_a_shard_is_deleted(capsys, dataset):
         assert other not in err
 
 
+def test_a_shard_cut_inside_a_member_is_named_and_each_shard_is_read_once(capsys, dataset,
+                                                                          monkeypatch):
+    """A copy cut short inside a member: verify names the shard's size and where the tar
+    ends, and the samples before the cut are still checked (none named). Each shard is read
+    once: its sha256 comes from the walk, so no shard file is hashed a second time."""
+    import mimo_data.shards.verify as verify_module
+    hashed = []
+    real = verify_module.file_sha256
+    monkeypatch.setattr(verify_module, "file_sha256",
+                        lambda path: hashed.append(path) or real(path))
+    row, member = _member(dataset, ".jpg")
+    with open(dataset / row["shard"], "r+b") as shard:
+        shard.truncate(member["offset"] + member["size"] // 2)
+    err = _verify(capsys, dataset)
+    assert f"{row['shard']}: {member['offset'] + member['size'] // 2} bytes, the index says" \
+        in err, err
+    assert (f"shard {row['shard']}: the tar cannot be read: the tar ends inside a member"
+            in err), err
+    assert "sample " not in err, err
+    assert not [path for path in hashed if path.endswith(".tar")], hashed
+
+
 def test_verify_decodes_media_even_when_the_checksum_was_updated(capsys, dataset):
     """A member corrupted before the checksums were taken (the index agrees with the bytes):
     only decoding the media finds it."""

@@ -8,7 +8,8 @@ that indexing left out (counted in its report) are passed over.
 Checks each file's size and sha256, every member's key, name, byte offset, size and crc32
 against ``samples.parquet``, and decodes every media item fully, comparing it with its JSON
 metadata.
-The tar is walked with ``tarfile`` because webdataset's iterators do not expose member offsets.
+Each tar is read once (``tar_walk.walk``: ``tarfile`` over a reader that hashes what passes, its
+sha256 with its members), because webdataset's iterators do not expose member offsets.
 A shard whose size or sha256 differs is walked too, to name the sample and member at fault
 (``shard NAME: sample KEY member KEY.img0.jpg: ...``): one whose crc32 differs, that no longer
 decodes, sits elsewhere than the table says or disagrees with the JSON. (A dataset built before
@@ -22,7 +23,6 @@ import itertools
 import json
 import os
 import tarfile
-import zlib
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -42,13 +42,14 @@ from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 MAX_PROBLEMS_PER_SHARD = 20
 
 
-def _check_file(path: str, expected: dict) -> list[str]:
-    """Problems of the local file (or local copy) at ``path``."""
+def _check_file(path: str, expected: dict, sha256: str | None = None) -> list[str]:
+    """Problems of the local file (or local copy) at ``path``; ``sha256``: its digest where
+    a walk of it has it already."""
     name = os.path.basename(path)
     size = os.path.getsize(path)
     if size != expected["bytes"]:
         return [f"{name}: {size} bytes, the index says {expected['bytes']}"]
-    if file_sha256(path) != expected["sha256"]:
+    if (sha256 or file_sha256(path)) != expected["sha256"]:
         return [f"{name}: sha256 differs from the index (the file changed after the build)"]
     return []
 
@@ -79,13 +80,14 @@ def verify_shard(directory: str, shard: dict, rows: list[dict],
             "" if records is None else ", where the index says the tars are (moved? index "
             "them again where they are now with `mimo-shard index`)")]
     with storage.local_copy(location) as path:
-        problems = _check_file(path, shard)
-        grown = os.path.getsize(path) - shard["bytes"]
+        walked = Walked()       # the walk reads the file once: its sha256 too, if it ends
         try:
-            located = _walk_shard(path, shard, rows) if records is None else \
-                _walk_indexed(path, shard, rows, records)
+            located = _walk_built(path, shard, rows, walked) if records is None else \
+                _walk_indexed(path, shard, rows, records, walked)
         except (tarfile.TarError, OSError, EOFError, NotATarError) as exc:
             located = [f"shard {shard['name']}: the tar cannot be read: {exc}"]
+        problems = _check_file(path, shard, walked.sha256 or None)
+        grown = os.path.getsize(path) - shard["bytes"]
     if problems and not located and grown > 0:       # members appended (tar rf) since
         problems = [f"{shard['name']}: {grown:,} bytes longer than the index says "
                     f"({shard['bytes']:,}): written to after it was " + (
@@ -104,61 +106,56 @@ def verify_shard(directory: str, shard: dict, rows: list[dict],
     return problems + located
 
 
-def _walk_shard(path: str, shard: dict, rows: list[dict]) -> list[str]:
-    """Problems of the members of one shard, each naming its sample and member."""
-    problems = []
+def _walk_built(path: str, shard: dict, rows: list[dict], walked: Walked) -> list[str]:
+    """Problems of the members of one built shard, each naming its sample and member."""
+    problems: list[str] = []
     expected = iter(rows)
-    members: dict[str, bytes] = {}
     samples = 0
-    current, row = None, None
-
-    def finish():
-        nonlocal samples
-        samples += 1
-        return _check_sample(shard["name"], current, row, members)
-
-    with tarfile.open(path, "r") as tar:
-        for info in tar:
-            key, _, suffix = info.name.partition(".")
-            if key != current:
-                if current is not None:
-                    problems += finish()
-                current, row, members = key, next(expected, None), {}
-                if row is None or row["key"] != key:
-                    problems.append(f"shard {shard['name']}: sample {key} found where the table "
-                                    f"expects {row and row['key']}")
-                    return problems
-            assert row is not None                       # set with the sample's first member
-            record = next((m for m in row["members"] if m["name"] == suffix), None)
-            member = tar.extractfile(info)
-            assert member is not None                    # a regular file member
-            data = member.read()
-            if record is None or (record["offset"], record["size"]) != (info.offset_data,
-                                                                         info.size):
-                problems.append(f"shard {shard['name']}: sample {key} member {key}.{suffix}: at "
-                                f"offset {info.offset_data} size {info.size}, the table says "
-                                f"{record}")
-            elif record.get("crc32") is not None and zlib.crc32(data) != record["crc32"]:
-                problems.append(f"shard {shard['name']}: sample {key} member {key}.{suffix}: "
-                                f"its bytes changed (crc32 differs from {SAMPLES_FILE})")
-            members[suffix] = data
+    with open(path, "rb") as tar:
+        for sample in walk(tar, walked):
+            samples += 1
+            row = next(expected, None)
+            if row is None or row["key"] != sample.key:
+                problems.append(f"shard {shard['name']}: sample {sample.key} found where the "
+                                f"table expects {row and row['key']}")
+                return problems
+            placed = {m["name"]: m for m in row["members"]}
+            for suffix, member in sample.members.items():
+                record = placed.get(suffix)
+                where = f"shard {shard['name']}: sample {sample.key} member {sample.key}.{suffix}"
+                if record is None or (record["offset"], record["size"]) != (member.offset,
+                                                                             member.size):
+                    problems.append(f"{where}: at offset {member.offset} size {member.size}, "
+                                    f"the table says {record}")
+                elif record.get("crc32") is not None and member.crc32 != record["crc32"]:
+                    problems.append(f"{where}: its bytes changed (crc32 differs from "
+                                    f"{SAMPLES_FILE})")
+            problems += [f"shard {shard['name']}: member {name} repeats a suffix of its sample"
+                         for name in sample.duplicates]
+            problems += _check_sample(shard["name"], sample.key, row,
+                                      {suffix: m.data for suffix, m in sample.members.items()})
             if len(problems) >= MAX_PROBLEMS_PER_SHARD:
                 return problems
-        if current is not None:
-            problems += finish()
+    if walked.truncated:            # a tar mimo wrote is whole (one indexed in place may not be)
+        return problems + [f"shard {shard['name']}: the tar cannot be read: {walked.truncated}"]
+    problems += [f"shard {shard['name']}: member {name} belongs to no sample (no suffix)"
+                 for name in walked.stray]
+    problems += [f"shard {shard['name']}: member {name} is {link}, not a file"
+                 for name, link in walked.links]
     if samples != shard["samples"] or samples != len(rows):
         problems.append(f"shard {shard['name']}: {samples} samples, the index says "
                         f"{shard['samples']} and the table {len(rows)}")
     return problems
 
 
-def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict]) -> list[str]:
-    """``_walk_shard`` for a tar indexed in place: its indexed samples' members where the
+def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict],
+                  walked: Walked) -> list[str]:
+    """``_walk_built`` for a tar indexed in place: its indexed samples' members where the
     table says, with their crc32, and their media decoding as their records say."""
     expected = {row["key"]: (row, record) for row, record in zip(rows, records)}
     problems: list[str] = []
     with open(path, "rb") as tar:
-        for sample in walk(tar, Walked()):
+        for sample in walk(tar, walked):
             if sample.key not in expected:
                 continue                    # left out by the indexing (its report counts it)
             row, record = expected.pop(sample.key)
