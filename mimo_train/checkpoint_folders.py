@@ -5,6 +5,7 @@ anything (``components.checkpoint`` writes and loads the checkpoints)."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -161,3 +162,29 @@ def _meta_reads(directory: str) -> bool:
             return isinstance(json.load(f), dict)
     except (OSError, ValueError):
         return False
+
+
+def read_meta(directory: str) -> dict:
+    """``meta.json`` of a complete checkpoint (its manifest readable too): no collective, so
+    every rank can call it in a start-up phase; CheckpointError otherwise."""
+    if glob.glob(os.path.join(directory, "rank_*.pt")):
+        raise CheckpointError(
+            f"{directory} is a checkpoint of an earlier mimo_train (one rank_*.pt file per "
+            "rank), which this version does not read: train from model.language.pretrained or "
+            "from scratch")
+    not_a_step(directory)
+    for name in (META, MANIFEST):
+        path = os.path.join(directory, name)
+        try:
+            with open(path) as f:
+                content = json.load(f)
+            if not isinstance(content, dict) or (name == MANIFEST and
+                                                 not isinstance(content.get("files"), dict)):
+                raise ValueError("not the expected JSON object")
+        except FileNotFoundError:
+            raise damaged(directory, f"{path} is missing (the save did not finish)") from None
+        except (OSError, ValueError) as error:
+            raise damaged(directory, f"{path} is unreadable ({error})") from None
+        if name == META:
+            meta = content
+    return meta

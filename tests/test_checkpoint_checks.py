@@ -1,4 +1,4 @@
-"""What ``checkpoint.check`` refuses before a tensor is read, in process on the tensors' names
+"""What ``checkpoint_fit.check`` refuses before a tensor is read, in process on the tensors' names
 (the multi-rank checks of a resumed run are in tests/test_train_run.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ def test_a_checkpoint_with_a_projection_the_model_lacks_is_refused():
     """Saved with a linear projection after the image tower (a config of before per-module
     projections: model.projection linear beside a whole VLM), resumed with the VLM's own
     (none): its trained projection would be dropped without a word."""
-    from mimo_train.components.checkpoint import _check_projections
+    from mimo_train.components.checkpoint_fit import _check_projections
     image = "modality_submodules.image.module."
     wanted = {f"{image}encoders.image.encoder.model.merger.mlp.0.weight": (8, 8),
               "language_model.module.embedding.word_embeddings.weight": (32, 8)}
@@ -36,7 +36,7 @@ def test_a_resumed_lora_runs_other_alpha_is_refused():
     """The adapters' weights have the same shapes under another ``alpha``, which scales them:
     resumed so, they would give another model without a word. The checkpoint's part without
     this run's adapters, or the same alpha, passes."""
-    from mimo_train.components.checkpoint import check_lora_scale
+    from mimo_train.components.checkpoint_fit import check_lora_scale
     from mimo_train.config import LoraConfig
     meta = {"config": {"model": {"lora": {"language": {"rank": 4, "alpha": 8.0}}}}}
     with pytest.raises(CheckpointError, match=r"checkpoint ck's adapters of language trained "
@@ -66,7 +66,7 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
     import torch
     from megatron.core.dist_checkpointing import ShardedTensor
 
-    from mimo_train.components import checkpoint
+    from mimo_train.components import checkpoint_fit
     tower = "modality_submodules.image.module.encoders.image.encoder.model.patch_embed.proj.weight"
     saved_model = {"pretrained": "/models/Qwen2-VL-7B", "freeze": ["image"],
                    "language": {"hidden_size": 64, "num_layers": 2}}
@@ -74,7 +74,7 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
                                                     "config": {"model": saved_model}}))
     (tmp_path / "integrity.json").write_text(json.dumps({"files": {}}))
     shapes = {tower: (64, 3, 2, 14, 14), "language_model.module.decoder.final_norm.weight": (64,)}
-    monkeypatch.setattr(checkpoint.dist_checkpointing, "load_tensors_metadata", lambda _: {
+    monkeypatch.setattr(checkpoint_fit.dist_checkpointing, "load_tensors_metadata", lambda _: {
         key: types.SimpleNamespace(global_shape=shape) for key, shape in shapes.items()})
 
     def model(tensors):
@@ -87,7 +87,7 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
             "attention": "sdpa", "language": {**saved_model["language"], "recompute": "full",
                                               "new_setting": 1}}
     with pytest.raises(CheckpointError) as refused:
-        checkpoint.check(str(tmp_path), model({**shapes, tower: (32, 3, 2, 14, 14)}), 8,
+        checkpoint_fit.check(str(tmp_path), model({**shapes, tower: (32, 3, 2, 14, 14)}), 8,
                          ["image"], ours)
     assert str(refused.value).endswith(
         "it was saved for another model configuration. The model settings that differ from "
@@ -97,7 +97,7 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
     # a weight the checkpoint lacks (more layers), under model.init_from
     deeper = {**saved_model, "language": {"hidden_size": 64, "num_layers": 3}}
     with pytest.raises(CheckpointError) as refused:
-        checkpoint.check(str(tmp_path), model({**shapes, "language_model.module.decoder.layers."
+        checkpoint_fit.check(str(tmp_path), model({**shapes, "language_model.module.decoder.layers."
                                                "2.mlp.linear_fc1.weight": (8, 64)}), None,
                          settings=deeper)
     assert "lacks 1 weight(s) of this rank's modules" in str(refused.value)
@@ -107,7 +107,7 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
         "settings it was saved with, or from another checkpoint"), refused.value
     # the same settings: the files they name changed
     with pytest.raises(CheckpointError) as refused:
-        checkpoint.check(str(tmp_path), model({**shapes, tower: (32, 3, 2, 14, 14)}), 8,
+        checkpoint_fit.check(str(tmp_path), model({**shapes, tower: (32, 3, 2, 14, 14)}), 8,
                          ["image"], saved_model)
     assert str(refused.value).endswith(
         "another model configuration. Its model settings are this run's: the files they name "
@@ -116,7 +116,7 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
     # a module this run adds (an audio encoder): named, no changed files blamed
     audio = "modality_submodules.audio.module.encoders.audio.encoder.conv1.weight"
     with pytest.raises(CheckpointError) as refused:
-        checkpoint.check(str(tmp_path), model({**shapes, audio: (8, 80, 3)}), 8, ["image"],
+        checkpoint_fit.check(str(tmp_path), model({**shapes, audio: (8, 80, 3)}), 8, ["image"],
                          {**saved_model, "encoders": {"audio": {"kind": "whisper"}}})
     assert str(refused.value).endswith(
         "holds no weight of module(s) audio of this run's model (the checkpoint's modules: "

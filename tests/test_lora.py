@@ -337,7 +337,7 @@ def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetun
 
 def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
     """Its weights without the adapters are not the model it saved."""
-    from mimo_train.components.checkpoint import _check_adapters
+    from mimo_train.components.checkpoint_fit import _check_adapters
     from mimo_train.errors import CheckpointError
     layer = "language_model.module.decoder.layers.self_attention.linear_qkv."
     saved = {layer + "weight", layer + "lora.a.weight", layer + "lora.b.weight"}
@@ -371,7 +371,7 @@ def test_another_lora_rank_or_targets_on_resume_is_named_as_such():
     model's, saved stacked over its layers ((layers, rank, in), as a real checkpoint's
     metadata gives them). Started from it (model.init_from, which needs its shapes), the
     advice is its rank or its merged export, not model.init_from again."""
-    from mimo_train.components.checkpoint import _why_shapes_differ
+    from mimo_train.components.checkpoint_fit import _why_shapes_differ
     layer = "language_model.module.decoder.layers.self_attention.linear_qkv."
     saved = {"config": {"model": {"lora": {"language": {"rank": 4}, "image": {"rank": 8}}}}}
     said = "it was saved with model.lora.language.rank 4, this run's is 8: "
@@ -398,7 +398,7 @@ def test_another_lora_rank_or_targets_on_resume_is_named_as_such():
         "it was saved for another model configuration"
     # other targets: the checkpoint lacks this run's adapters, said as model.lora, not as
     # another model.pretrained
-    from mimo_train.components.checkpoint import _lacks
+    from mimo_train.components.checkpoint_fit import _lacks
     meta = {"config": {"model": {"pretrained": "/m", "lora": {"language": {"rank": 4}}}}}
     lacked = str(_lacks("/ck", [layer.replace("qkv", "fc1") + "lora.a.weight"], meta, ["l"]))
     assert "lacks 1 LoRA adapter weight(s) of this run" in lacked and "saved with model.lora " \

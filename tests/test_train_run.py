@@ -492,8 +492,9 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
 
     monkeypatch.setattr(module, "phase", lambda name, done, function, start=None: function())
     monkeypatch.setattr(module, "distributed", SimpleNamespace(gather=lambda value: [value]))
+    monkeypatch.setattr(module, "checkpoint_fit", SimpleNamespace(
+        check=lambda *args: {}, check_lora_scale=lambda *args: None))
     monkeypatch.setattr(module, "checkpoint", SimpleNamespace(
-        check=lambda *args: {}, check_lora_scale=lambda *args: None,
         load=lambda *args: (12, {"language": {
             "train.steps": (12, steps)} if steps != 12 else {}})))
     trainer = module.Trainer.__new__(module.Trainer)
@@ -527,16 +528,17 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path
     the checkpoint's run says each setting that changed."""
     from types import SimpleNamespace
 
-    from mimo_train.components import checkpoint
+    from mimo_train.components import checkpoint_fit
     from mimo_train.config import LoraConfig
     from mimo_train.errors import CheckpointError
     from mimo_train.training import trainer as module
 
     loaded = []
     monkeypatch.setattr(module, "phase", lambda name, done, function, start=None: function())
-    monkeypatch.setattr(module, "checkpoint", SimpleNamespace(
+    monkeypatch.setattr(module, "checkpoint_fit", SimpleNamespace(
         check=lambda *args: {"config": {"model": {"lora": {"language": {"alpha": 8}}}}},
-        check_lora_scale=checkpoint.check_lora_scale,
+        check_lora_scale=checkpoint_fit.check_lora_scale))
+    monkeypatch.setattr(module, "checkpoint", SimpleNamespace(
         load=lambda *args: loaded.append(args) or (1, {})))
     trainer = module.Trainer.__new__(module.Trainer)
     trainer.cfg = SimpleNamespace(
@@ -572,7 +574,7 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path
     saved = json.loads(json.dumps(trainer.preprocess.to_dict()))
     saved["seq_length"] *= 2
     saved["modalities"]["image"]["max_pixels"] *= 4
-    monkeypatch.setattr(module.checkpoint, "check", lambda *args: {"preprocess": saved})
+    monkeypatch.setattr(module.checkpoint_fit, "check", lambda *args: {"preprocess": saved})
     trainer.cfg.model.init_from, trainer.cfg.data = None, SimpleNamespace(preprocess=str(path))
     said.clear()
     trainer._resume("ck/step_0000001")
@@ -1377,7 +1379,7 @@ def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):
     without ``latest`` names its newest step; a transformers model folder names
     model.pretrained; a path that is nothing says so; none is called damaged."""
     from mimo_train.checkpoint_folders import step_of
-    from mimo_train.components.checkpoint import check
+    from mimo_train.components.checkpoint_fit import check
     from mimo_train.errors import CheckpointError
 
     tmp, _, _ = setup
@@ -1427,7 +1429,7 @@ def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):
     same freeze, or more frozen, it passes the check."""
     from types import SimpleNamespace
 
-    from mimo_train.components.checkpoint import _check_frozen, check
+    from mimo_train.components.checkpoint_fit import _check_frozen, check
     from mimo_train.errors import CheckpointError
 
     step = frozen["after"]
@@ -1459,7 +1461,7 @@ def test_a_checkpoint_with_modules_this_model_lacks_is_refused_naming_them(setup
     weights into such a model (``model.init_from``) are not refused for it."""
     from types import SimpleNamespace
 
-    from mimo_train.components.checkpoint import check
+    from mimo_train.components.checkpoint_fit import check
     from mimo_train.errors import CheckpointError
 
     tmp, _, _ = setup

@@ -48,7 +48,7 @@ from mimo_data.shards.index import (energon_dataset_of, energon_metadata_given,
                                     file_given_for_a_dataset, unindexed_tars,
                                     unindexed_tars_advice)
 from mimo_train import checkpoint_folders
-from mimo_train.components import checkpoint
+from mimo_train.components import checkpoint, checkpoint_fit
 from mimo_train.components.anomalies import Watch, reports_samples, step_samples
 from mimo_train.components.digests import weights_digest
 from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, Readings,
@@ -362,9 +362,9 @@ class Trainer:
         directory = checkpoint_folders.step_of(given)
 
         def checked() -> None:
-            meta = checkpoint.check(directory, self.model, None, (),
+            meta = checkpoint_fit.check(directory, self.model, None, (),
                                     self.cfg.to_dict()["model"])
-            checkpoint.check_lora_scale(directory, meta, self.cfg.model.lora, resume=False)
+            checkpoint_fit.check_lora_scale(directory, meta, self.cfg.model.lora, resume=False)
         phase("init_from check", f"model.init_from {directory}: its index fits this model "
               "(its data is checked as it loads)", checked)
 
@@ -375,9 +375,9 @@ class Trainer:
 
     def _resume(self, directory: str) -> None:
         def checked() -> dict:
-            meta = checkpoint.check(directory, self.model, self.cfg.train.global_batch_size,
+            meta = checkpoint_fit.check(directory, self.model, self.cfg.train.global_batch_size,
                                     self.cfg.model.freeze, self.cfg.to_dict()["model"])
-            checkpoint.check_lora_scale(directory, meta, self.cfg.model.lora)
+            checkpoint_fit.check_lora_scale(directory, meta, self.cfg.model.lora)
             return meta
         meta = phase("checkpoint check", f"checkpoint {directory}: its index fits this run (its "
                      "data is checked as it loads)", checked)
