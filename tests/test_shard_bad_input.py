@@ -365,6 +365,17 @@ def case_every_answer_weighted_0(tmp_path, assets):
     return Case(record, "no_trained_tokens")
 
 
+def case_every_answer_empty(tmp_path, assets):
+    """Answers of whitespace alone: the template's end of turn would be all a sample trains,
+    which preprocessing drops as empty_answers at every epoch; an answer out of the loss
+    does not count."""
+    record = _image_record(assets["jpeg"])
+    record["conversations"][1]["value"] = " \n"
+    record["conversations"] += [{"from": "human", "value": "And?"},
+                                {"from": "gpt", "value": "Kept out.", "weight": 0}]
+    return Case(record, "empty_answers", detail="every trained answer (1) is empty")
+
+
 def case_no_assistant_turn(tmp_path, assets):
     """A prompt without its answer: nothing a sample of it could train, at any epoch."""
     record = _image_record(assets["jpeg"])

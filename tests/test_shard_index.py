@@ -1048,6 +1048,10 @@ def test_a_conversation_or_document_json_mimo_cannot_find_says_why():
         synthesize({"json": json.dumps({"messages": chat("Hi.", "Yo.")[:1]}).encode()},
                    MemberMap("conversation"))
     assert caught.value.reason == "no_trained_tokens"
+    with pytest.raises(RecordError, match=r"every trained answer \(1\) is empty") as caught:
+        synthesize({"json": json.dumps({"messages": chat("Hi.", "")}).encode()},
+                   MemberMap("conversation"))
+    assert caught.value.reason == "empty_answers"
     # a JSON member that is not UTF-8: invalid_utf8, as a text member's or a JSONL line's
     with pytest.raises(RecordError, match=re.escape(
             "member KEY.json is not UTF-8 (nor UTF-16/32) text")) as caught:
