@@ -314,6 +314,9 @@ def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):
     assert report["passed"], format_report(report)
     assert "kinds       caption 1 (1 kept) as caption (plain), document 3 (3 kept)" in \
         format_report(report)
+    # a few samples a minute read as such, not as 0 samples/s
+    assert " 0.31 samples/s overall" in format_report({**report, "samples_per_second": 0.3125})
+    assert " 1234 samples/s overall" in format_report({**report, "samples_per_second": 1234.4})
     again = build_report(str(built), inspector, Thresholds(), progress=False)
     assert again["tables"]["reused"] and again["kinds"] == report["kinds"]
 

@@ -663,7 +663,8 @@ def format_report(report: dict) -> str:
                      "earlier report (--recompute inspects every sample again)")
     elif rate:
         # the whole command's, start-up included: the progress bar's rate is the stream's
-        lines.append(f"time        {report['seconds']:.2f} s in all, {rate:.0f} samples/s "
+        shown = f"{rate:.0f}" if rate >= 10 else f"{rate:.2g}"    # not 0 on a few samples
+        lines.append(f"time        {report['seconds']:.2f} s in all, {shown} samples/s "
                      "overall (the config's and tokenizer's loading and the summaries "
                      "included)")
     return "\n".join(lines)
