@@ -129,6 +129,11 @@ def test_usage_errors_exit_2(capsys, tmp_path, cli):
                       tmp_path / "missing", *(() if cli == "mimo-shard" else
                                               ("--config", REPO / "configs" / "preprocess.yaml")))
     assert code == 2 and "missing" in err
+    if cli == "mimo-inspect":       # datasets of a mix given at once: one at a time, said
+        code, err = _main(module, capsys, "report", tmp_path / "a", tmp_path / "b",
+                          "--config", REPO / "configs" / "preprocess.yaml")
+        assert code == 2 and "report reads one dataset, 2 were given: run it once for each" \
+            in err, err
 
 
 def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):
