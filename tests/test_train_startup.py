@@ -492,7 +492,7 @@ def test_a_bucket_dataset_given_twice_in_two_spellings_is_refused(datasets):
     from types import SimpleNamespace
 
     from mimo_train.errors import TrainConfigError
-    from mimo_train.training.trainer import _check_each_once
+    from mimo_train.training.start_checks import _check_each_once
     config = SimpleNamespace(data=SimpleNamespace(datasets=datasets, valid=[]))
     with pytest.raises(TrainConfigError, match=f"data.datasets gives {datasets[1]} twice "
                        rf"\(first as {datasets[0]}\)"):
@@ -507,7 +507,7 @@ def test_a_copy_of_a_dataset_given_beside_it_is_refused(tmp_path, loader_corpus)
     from types import SimpleNamespace
 
     from mimo_train.errors import TrainConfigError
-    from mimo_train.training.trainer import _check_no_copies
+    from mimo_train.training.start_checks import _check_no_copies
     copy = tmp_path / "copy"
     copy.mkdir()
     shutil.copy(loader_corpus / "index.json", copy)

@@ -22,9 +22,7 @@ loss spikes recorded with their samples (``anomalies``).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import os
 import signal
 import time
@@ -34,19 +32,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
-from mimo_data.loading.loader import (DataSource, build_loader, check_dropped, check_even_split,
-                                      variable_token_modalities)
+from mimo_data.loading.layout import LANGUAGE, LayoutError
+from mimo_data.loading.loader import (DataSource, build_loader, check_dropped, check_even_split)
 from mimo_data.loading.sample_order import OrderError
 from mimo_data.loading.token_table import Partition
 from mimo_data.preprocess.chat_tokens import TextEncoder
-from mimo_data.preprocess.config import PreprocessConfig
-from mimo_data.shards import storage
 from mimo_data.shards.cache import CACHE_DIR_ENV
-from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
-from mimo_data.shards.index import (energon_dataset_of, energon_metadata_given,
-                                    file_given_for_a_dataset, unindexed_tars,
-                                    unindexed_tars_advice)
 from mimo_train import checkpoint_folders
 from mimo_train.components import checkpoint, checkpoint_fit
 from mimo_train.components.anomalies import Watch, reports_samples, step_samples
@@ -55,7 +46,6 @@ from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, Re
                                            StepValues, Timer, check_outputs, eval_record)
 from mimo_train.components.optimizer import (build_optimizer, build_schedulers,
                                              schedule_notes, trained_optimizers)
-from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import check_preprocessing, check_template
 from mimo_train.mcore import (MultiModuleProcessGroupCollection, ensure_global_memory_buffer,
@@ -78,132 +68,13 @@ from mimo_train.runtime.console import (PREFIX, agree, memory_cause, out_of_gpu_
                                         run_failure, say)
 from mimo_train.runtime.preemption import PAST_DEADLINE, ExitSignals, signal_number
 from mimo_train.runtime.profile import Profile, mark_phase
+from mimo_train.training import start_checks
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
-
-
-def _differing_settings(plan: RunPlan) -> TrainConfigError | None:
-    """The error where the ranks did not all read the same settings (``RunPlan.given``: a
-    config edited while the job started, other copies on other nodes), naming the ranks and
-    the first keys that differ; None where they agree. Collective: a digest from every rank,
-    and only where they differ the settings of the first rank unlike rank 0."""
-    mine = plan.given()
-    digests = distributed.gather(hashlib.sha256(
-        json.dumps(mine, sort_keys=True).encode()).hexdigest())
-    if len(set(digests)) == 1:
-        return None
-    other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
-    first, theirs = distributed.broadcast(mine, src=0), distributed.broadcast(mine, src=other)
-    keys = sorted(key for key in first.keys() | theirs.keys()
-                  if first.get(key) != theirs.get(key))
-    shown = "; ".join(f"{key}: {first.get(key, '(unset)')} vs {theirs.get(key, '(unset)')}"
-                      for key in keys[:4]) + (f"; and {len(keys) - 4} more" if len(keys) > 4
-                                              else "")
-    alike = [rank for rank, digest in enumerate(digests) if digest == digests[0]]
-    unlike = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
-    return TrainConfigError(
-        f"the ranks read different settings: rank(s) {alike} and rank(s) {unlike} differ "
-        f"(rank 0 vs rank {other}: {shown}): every rank must read the same training and "
-        "preprocessing configs; a config edited while the job started, or another copy on "
-        "another node? Give every rank the same files and start again")
 
 
 def _raise(error: Exception | None) -> None:
     if error is not None:
         raise error
-
-
-def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -> None:
-    _check_each_once(cfg)
-    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
-        for directory in directories:
-            if storage.is_remote(directory):
-                try:
-                    storage.check_scheme(directory)
-                except storage.LocationError as exc:
-                    raise TrainConfigError(f"{key}: {exc}") from None
-            try:
-                there = storage.exists(storage.join(directory, INDEX_FILE),
-                                       cfg.data.storage_options)
-            except storage.LocationError as exc:      # a misspelt option, said at first use
-                raise TrainConfigError(f"data.storage_options: {exc}") from None
-            if not there and not storage.is_remote(directory) and os.path.isfile(directory):
-                raise TrainConfigError(f"{key}: {file_given_for_a_dataset(directory)}")
-            energon = energon_dataset_of(directory) if not there else None
-            if energon is not None:
-                raise TrainConfigError(f"{key}: {energon_metadata_given(directory, energon)}")
-            if not there and not storage.is_remote(directory) and \
-                    not os.path.exists(storage.local_path(directory)):
-                raise TrainConfigError(
-                    f"{key}: no dataset at {directory}: no such directory (check the path: a "
-                    "dataset is the folder `mimo-shard build` or `mimo-shard index` wrote)")
-            if not there:
-                raise TrainConfigError(
-                    f"{key}: no shards at {directory}: " + (
-                        unindexed_tars_advice(directory)
-                        if unindexed_tars(directory, cfg.data.storage_options) else
-                        f"a build wrote no sample there ({REPORT_FILE} says why); fix the data "
-                        "and build it again"
-                        if storage.exists(storage.join(directory, REPORT_FILE),
-                                          cfg.data.storage_options) else
-                        "its bucket does not exist: check the URL and the endpoint"
-                        if not storage.bucket_exists(directory, cfg.data.storage_options) else
-                        f"{INDEX_FILE} is missing; build them with mimo-shard build ... "
-                        f"--output {directory}"))
-    _check_no_copies(cfg)
-    layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
-                    cfg.train.micro_batch_size, variable_token_modalities(preprocess),
-                    modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
-
-
-def _check_no_copies(cfg: TrainConfig) -> None:
-    """``TrainConfigError`` for two directories of one list whose index.json are the same
-    bytes: a copy of one dataset (or one rebuilt alike), whose samples, listed with their
-    shards' hashes, would train (or count) twice an epoch, whatever the paths."""
-    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
-        seen: dict[bytes, str] = {}
-        for directory in directories if len(directories) > 1 else ():
-            index = storage.join(directory, INDEX_FILE)
-            try:
-                digest = hashlib.sha256(storage.read_bytes(
-                    index, cfg.data.storage_options)).digest()
-            except OSError as exc:                  # storage's errors too
-                raise TrainConfigError(f"{key}: cannot read {index}: {exc}") from None
-            if digest in seen:
-                raise TrainConfigError(
-                    f"{key} gives {seen[digest]} and {directory}, whose {INDEX_FILE} are the "
-                    "same (a copy of one dataset): each of its samples " + (
-                        "would train twice an epoch; give it once, and to draw from it more "
-                        "often, data.weights" if key == "data.datasets" else
-                        "would count twice in the validation loss; give it once"))
-            seen[digest] = directory
-
-
-def _check_each_once(cfg: TrainConfig) -> None:
-    """``TrainConfigError`` for a dataset given twice in ``data.datasets`` (each of its
-    samples would train twice an epoch) or in ``data.valid``, also as another spelling of its
-    path (a trailing slash, a link); one in both lists is said (a validation loss of trained
-    samples: a check that the run fits its data, or a mistake)."""
-    trained: dict[str, str] = {}                # where -> data.datasets' spelling
-    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
-        seen: dict[str, str] = {}               # where -> its first spelling in this list
-        for directory in directories:
-            here = storage.canonical(directory)     # one place, any spelling
-            if here in seen:
-                first = seen[here]
-                raise TrainConfigError(
-                    f"{key} gives {directory} twice" + (
-                        f" (first as {first})" if first != directory else "") +
-                    ": each of its samples " + (
-                        "would train twice an epoch; to draw from it more often, give "
-                        "data.weights" if key == "data.datasets" else
-                        "would count twice in the validation loss"))
-            seen[here] = directory
-            if key == "data.valid" and here in trained:
-                say(f"{PREFIX}data.valid {directory} is in data.datasets too" + (
-                    f" (as {trained[here]})" if trained[here] != directory else "") +
-                    ": the validation loss is of samples the run trains on")
-        if key == "data.datasets":
-            trained = seen
 
 
 class Trainer:
@@ -224,7 +95,7 @@ class Trainer:
         phase("device", f"{self.world} rank(s) joined, device {self.device.type}",
               lambda: _raise(problem or devices.mixed(kinds)), start)
         self.preprocess, self.layout = plan.preprocess, plan.layout
-        differing = _differing_settings(plan)          # collective: before any rank may fail
+        differing = start_checks.differing_settings(plan)   # collective: before any rank fails
         self.text, self.vocabulary = phase(
             "config", "config, tokenizer and shards checked",
             lambda: self._read_config(records, differing))
@@ -285,7 +156,7 @@ class Trainer:
         self.cfg.check_inputs()
         if self.rank == 0:                  # what rank 0 writes (the records, TensorBoard's)
             check_outputs(records, self.cfg.train.tensorboard_dir)
-        _check_data(self.cfg, self.preprocess, self.layout)
+        start_checks.check_data(self.cfg, self.preprocess, self.layout)
         text = TextEncoder(self.preprocess)
         vocabulary = self.plan.language.vocabulary(text.vocab_size)
         if self.plan.vlm is not None:

@@ -1,0 +1,149 @@
+"""What start-up refuses before anything is built: ranks that read different settings, and
+datasets that cannot be trained as given (no index there, a file or Energon's metadata given
+for a dataset, one dataset given twice or as a copy), each said in config terms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch.distributed as dist
+
+from mimo_data.loading.layout import Layout
+from mimo_data.loading.loader import variable_token_modalities
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.shards import storage
+from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
+from mimo_data.shards.index import (energon_dataset_of, energon_metadata_given,
+                                    file_given_for_a_dataset, unindexed_tars,
+                                    unindexed_tars_advice)
+from mimo_train.config import TrainConfig
+from mimo_train.errors import TrainConfigError
+from mimo_train.plan import RunPlan
+from mimo_train.runtime import distributed
+from mimo_train.runtime.console import PREFIX, say
+
+
+def differing_settings(plan: RunPlan) -> TrainConfigError | None:
+    """The error where the ranks did not all read the same settings (``RunPlan.given``: a
+    config edited while the job started, other copies on other nodes), naming the ranks and
+    the first keys that differ; None where they agree. Collective: a digest from every rank,
+    and only where they differ the settings of the first rank unlike rank 0."""
+    mine = plan.given()
+    digests = distributed.gather(hashlib.sha256(
+        json.dumps(mine, sort_keys=True).encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return None
+    other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
+    first, theirs = distributed.broadcast(mine, src=0), distributed.broadcast(mine, src=other)
+    keys = sorted(key for key in first.keys() | theirs.keys()
+                  if first.get(key) != theirs.get(key))
+    shown = "; ".join(f"{key}: {first.get(key, '(unset)')} vs {theirs.get(key, '(unset)')}"
+                      for key in keys[:4]) + (f"; and {len(keys) - 4} more" if len(keys) > 4
+                                              else "")
+    alike = [rank for rank, digest in enumerate(digests) if digest == digests[0]]
+    unlike = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    return TrainConfigError(
+        f"the ranks read different settings: rank(s) {alike} and rank(s) {unlike} differ "
+        f"(rank 0 vs rank {other}: {shown}): every rank must read the same training and "
+        "preprocessing configs; a config edited while the job started, or another copy on "
+        "another node? Give every rank the same files and start again")
+
+
+def check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -> None:
+    """``TrainConfigError`` for datasets that cannot be trained as given (each named with what
+    to do: a file or an Energon folder given for a dataset, no index, a copy given twice),
+    and for a layout that does not fit the world, the batch sizes or the modalities."""
+    _check_each_once(cfg)
+    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
+        for directory in directories:
+            if storage.is_remote(directory):
+                try:
+                    storage.check_scheme(directory)
+                except storage.LocationError as exc:
+                    raise TrainConfigError(f"{key}: {exc}") from None
+            try:
+                there = storage.exists(storage.join(directory, INDEX_FILE),
+                                       cfg.data.storage_options)
+            except storage.LocationError as exc:      # a misspelt option, said at first use
+                raise TrainConfigError(f"data.storage_options: {exc}") from None
+            if not there and not storage.is_remote(directory) and os.path.isfile(directory):
+                raise TrainConfigError(f"{key}: {file_given_for_a_dataset(directory)}")
+            energon = energon_dataset_of(directory) if not there else None
+            if energon is not None:
+                raise TrainConfigError(f"{key}: {energon_metadata_given(directory, energon)}")
+            if not there and not storage.is_remote(directory) and \
+                    not os.path.exists(storage.local_path(directory)):
+                raise TrainConfigError(
+                    f"{key}: no dataset at {directory}: no such directory (check the path: a "
+                    "dataset is the folder `mimo-shard build` or `mimo-shard index` wrote)")
+            if not there:
+                raise TrainConfigError(
+                    f"{key}: no shards at {directory}: " + (
+                        unindexed_tars_advice(directory)
+                        if unindexed_tars(directory, cfg.data.storage_options) else
+                        f"a build wrote no sample there ({REPORT_FILE} says why); fix the data "
+                        "and build it again"
+                        if storage.exists(storage.join(directory, REPORT_FILE),
+                                          cfg.data.storage_options) else
+                        "its bucket does not exist: check the URL and the endpoint"
+                        if not storage.bucket_exists(directory, cfg.data.storage_options) else
+                        f"{INDEX_FILE} is missing; build them with mimo-shard build ... "
+                        f"--output {directory}"))
+    _check_no_copies(cfg)
+    layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
+                    cfg.train.micro_batch_size, variable_token_modalities(preprocess),
+                    modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
+
+
+def _check_no_copies(cfg: TrainConfig) -> None:
+    """``TrainConfigError`` for two directories of one list whose index.json are the same
+    bytes: a copy of one dataset (or one rebuilt alike), whose samples, listed with their
+    shards' hashes, would train (or count) twice an epoch, whatever the paths."""
+    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
+        seen: dict[bytes, str] = {}
+        for directory in directories if len(directories) > 1 else ():
+            index = storage.join(directory, INDEX_FILE)
+            try:
+                digest = hashlib.sha256(storage.read_bytes(
+                    index, cfg.data.storage_options)).digest()
+            except OSError as exc:                  # storage's errors too
+                raise TrainConfigError(f"{key}: cannot read {index}: {exc}") from None
+            if digest in seen:
+                raise TrainConfigError(
+                    f"{key} gives {seen[digest]} and {directory}, whose {INDEX_FILE} are the "
+                    "same (a copy of one dataset): each of its samples " + (
+                        "would train twice an epoch; give it once, and to draw from it more "
+                        "often, data.weights" if key == "data.datasets" else
+                        "would count twice in the validation loss; give it once"))
+            seen[digest] = directory
+
+
+def _check_each_once(cfg: TrainConfig) -> None:
+    """``TrainConfigError`` for a dataset given twice in ``data.datasets`` (each of its
+    samples would train twice an epoch) or in ``data.valid``, also as another spelling of its
+    path (a trailing slash, a link); one in both lists is said (a validation loss of trained
+    samples: a check that the run fits its data, or a mistake)."""
+    trained: dict[str, str] = {}                # where -> data.datasets' spelling
+    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
+        seen: dict[str, str] = {}               # where -> its first spelling in this list
+        for directory in directories:
+            here = storage.canonical(directory)     # one place, any spelling
+            if here in seen:
+                first = seen[here]
+                raise TrainConfigError(
+                    f"{key} gives {directory} twice" + (
+                        f" (first as {first})" if first != directory else "") +
+                    ": each of its samples " + (
+                        "would train twice an epoch; to draw from it more often, give "
+                        "data.weights" if key == "data.datasets" else
+                        "would count twice in the validation loss"))
+            seen[here] = directory
+            if key == "data.valid" and here in trained:
+                say(f"{PREFIX}data.valid {directory} is in data.datasets too" + (
+                    f" (as {trained[here]})" if trained[here] != directory else "") +
+                    ": the validation loss is of samples the run trains on")
+        if key == "data.datasets":
+            trained = seen
