@@ -372,8 +372,11 @@ def case_every_answer_empty(tmp_path, assets):
     record = _image_record(assets["jpeg"])
     record["conversations"][1]["value"] = " \n"
     record["conversations"] += [{"from": "human", "value": "And?"},
-                                {"from": "gpt", "value": "Kept out.", "weight": 0}]
-    return Case(record, "empty_answers", detail="every trained answer (1) is empty")
+                                {"from": "gpt", "value": "Kept out.", "weight": 0},
+                                {"from": "human", "value": "Parts?"},
+                                {"from": "gpt", "value": [{"type": "text", "text": ""},
+                                                          {"type": "text", "text": " "}]}]
+    return Case(record, "empty_answers", detail="every trained answer (2) is empty")
 
 
 def case_no_assistant_turn(tmp_path, assets):

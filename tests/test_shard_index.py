@@ -1052,6 +1052,13 @@ def test_a_conversation_or_document_json_mimo_cannot_find_says_why():
         synthesize({"json": json.dumps({"messages": chat("Hi.", "")}).encode()},
                    MemberMap("conversation"))
     assert caught.value.reason == "empty_answers"
+    # an answer without text that calls a tool trains its call: kept
+    calls = [{"type": "function", "function": {"name": "zoom", "arguments": {"factor": 2}}}]
+    made = synthesize({"json": json.dumps({"messages": [
+        {"role": "user", "content": "Zoom in."},
+        {"role": "assistant", "content": "", "tool_calls": calls}]}).encode()},
+        MemberMap("conversation"))
+    assert made.fields["messages"][1]["tool_calls"][0]["function"]["name"] == "zoom"
     # a JSON member that is not UTF-8: invalid_utf8, as a text member's or a JSONL line's
     with pytest.raises(RecordError, match=re.escape(
             "member KEY.json is not UTF-8 (nor UTF-16/32) text")) as caught:

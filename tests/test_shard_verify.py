@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import tarfile
 
 import pytest
 
@@ -95,6 +96,29 @@ def test_a_shard_cut_inside_a_member_is_named_and_each_shard_is_read_once(capsys
             in err), err
     assert "sample " not in err, err
     assert not [path for path in hashed if path.endswith(".tar")], hashed
+
+
+def test_a_damaged_header_and_a_folder_member_are_named_as_such(capsys, dataset):
+    """A member's header damaged in a shard of full length is said as a damaged header, with
+    where the file goes on to, not as a tar cut short; a folder added to a shard is named."""
+    row, _ = _member(dataset, ".jpg")
+    shard = dataset / row["shard"]
+    # a member in the shard's middle (the first's header is the tar's first: no tar at all)
+    header = sorted(m["offset"] for r in samples_table(dataset) if r["shard"] == row["shard"]
+                    for m in r["members"])[3] - 512
+    flip_byte(shard, header + 150)                  # inside its checksum field
+    err = _verify(capsys, dataset)
+    size = shard.stat().st_size
+    assert (f"shard {row['shard']}: the tar cannot be read: a damaged tar header at byte "
+            f"{header} (the file goes on to byte {size})") in err, err
+    assert "without its end-of-archive block" not in err, err
+    flip_byte(shard, header + 150)                  # back as built
+    with tarfile.open(shard, "a") as tar:
+        folder = tarfile.TarInfo("zzz")
+        folder.type = tarfile.DIRTYPE
+        tar.addfile(folder)
+    err = _verify(capsys, dataset)
+    assert f"shard {row['shard']}: member zzz is no file (a folder?)" in err, err
 
 
 def test_verify_decodes_media_even_when_the_checksum_was_updated(capsys, dataset):

@@ -223,7 +223,8 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
         raise RecordError("no_trained_tokens", f"every answer ({len(answers)}) has weight 0: "
                           "nothing to train on")
     trained = [m for m in answers if "weight" not in m]
-    if all(not m.get("tool_calls") and not m["content"].strip() for m in trained):
+    if all(not m.get("tool_calls") and not m["content"].replace(TEXT_PART_BREAK, "").strip()
+           for m in trained):
         # what preprocessing drops whatever the template: its end of turn alone would train
         raise RecordError("empty_answers", f"every trained answer ({len(trained)}) is empty: "
                           "training it would teach the model to answer with nothing")

@@ -12,7 +12,8 @@ suffix is only their name in the index.
 
 A truncated tar ends either inside a member's data (``tarfile`` raises) or inside or instead of
 the next header, which ``tarfile`` takes for the end without a word; the walk checks that the
-block where the next header would start is the zero block that ends every complete archive.
+block where the next header would start is the zero block that ends every complete archive
+(where the file goes on past that block, its header is damaged instead).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class Walked:
     cut_key: str = ""                   # the key being read where it ends ("": none)
     stray: list[str] = field(default_factory=list)   # members that belong to no sample
     links: list[tuple[str, str]] = field(default_factory=list)   # (name, "a hard link to X")
+    others: list[str] = field(default_factory=list)  # folders, devices: no file, no link
 
 
 class _Hashing:
@@ -145,6 +147,8 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
                     if info.islnk() or info.issym():       # unread, as webdataset skips them
                         kind = "a hard" if info.islnk() else "a symbolic"
                         walked.links.append((info.name, f"{kind} link to {info.linkname}"))
+                    else:
+                        walked.others.append(info.name)
                     continue
                 key, suffix = base_plus_ext(info.name)
                 if key is None or suffix is None:
@@ -168,17 +172,22 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
                 current.members[suffix] = Member(info.offset_data, info.size, zlib.crc32(data),
                                                  data)
             end = tar.offset
-        if stream.at(end, _BLOCK) != bytes(_BLOCK):
-            walked.truncated = (f"the tar ends at byte {stream.size} without its end-of-archive "
-                                f"block (a header cut short or damaged at byte {end})")
-            walked.cut_key = reading
+        stopped = end if stream.at(end, _BLOCK) != bytes(_BLOCK) else None
     except tarfile.ReadError as exc:
         reason = None if headers else _not_a_tar(stream.at(0, _BLOCK))
         if reason is not None:
             raise NotATarError(reason) from None
         walked.truncated = f"the tar ends inside a member ({exc})"
         walked.cut_key = reading
+        stopped = None
     walked.sha256 = stream.drain()
     walked.bytes = stream.size
+    if stopped is not None:         # the file's size tells a cut header from a damaged one
+        walked.truncated = (
+            f"a damaged tar header at byte {stopped} (the file goes on to byte {stream.size}): "
+            "the members after it cannot be read" if stream.size >= stopped + _BLOCK else
+            f"the tar ends at byte {stream.size} without its end-of-archive block (a header "
+            f"cut short at byte {stopped})")
+        walked.cut_key = reading
     if current is not None and not walked.truncated:
         yield current

@@ -142,6 +142,8 @@ def _walk_built(path: str, shard: dict, rows: list[dict], walked: Walked) -> lis
                  for name in walked.stray]
     problems += [f"shard {shard['name']}: member {name} is {link}, not a file"
                  for name, link in walked.links]
+    problems += [f"shard {shard['name']}: member {name} is no file (a folder?)"
+                 for name in walked.others]
     if samples != shard["samples"] or samples != len(rows):
         problems.append(f"shard {shard['name']}: {samples} samples, the index says "
                         f"{shard['samples']} and the table {len(rows)}")
