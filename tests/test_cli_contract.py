@@ -130,10 +130,16 @@ def test_usage_errors_exit_2(capsys, tmp_path, cli):
                                               ("--config", REPO / "configs" / "preprocess.yaml")))
     assert code == 2 and "missing" in err
     if cli == "mimo-inspect":       # datasets of a mix given at once: one at a time, said
-        code, err = _main(module, capsys, "report", tmp_path / "a", tmp_path / "b",
-                          "--config", REPO / "configs" / "preprocess.yaml")
-        assert code == 2 and "report reads one dataset, 2 were given: run it once for each" \
-            in err, err
+        config = REPO / "configs" / "preprocess.yaml"
+        for given in (("report", "a", "b", "--config", config),
+                      ("report", "a", "--config", config, "b"), ("plan", "a", "b", "c")):
+            code, err = _main(module, capsys, *given)
+            assert code == 2 and f"mimo-inspect {given[0]}: error: it reads one dataset, " \
+                f"{3 if given[-1] == 'c' else 2} were given" in err, err
+        code, err = _main(module, capsys, "sample", "a", "42", "--config", config)
+        assert code == 2 and "a sample is chosen with --key KEY or --index N" in err, err
+        code, err = _main(module, capsys, "report", "a", "--config", config, "--jsn", "x")
+        assert code == 2 and "unrecognized arguments: --jsn x" in err, err
 
 
 def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):

@@ -102,8 +102,6 @@ def _common(parser: argparse.ArgumentParser, directory_help: str | None = None,
     parser.add_argument("directory", metavar="DIR", nargs="?" if directory_help else None,
                         help=directory_help or "dataset (directory or URL) built by "
                         "mimo-shard build")
-    if directory_help is None:      # more datasets: refused in main, saying what to do
-        parser.add_argument("more", nargs="*", help=argparse.SUPPRESS)
     parser.add_argument("--config", required=config_default is None, metavar="CFG",
                         help="preprocessing config YAML (the one training uses" +
                         (f"; default: {config_default})" if config_default else ")"))
@@ -592,11 +590,18 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
     started = time.perf_counter()
     cache_only()
     parser = _parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "more", None):
-        parser.error(f"{args.command} reads one dataset, {1 + len(args.more)} were given: run "
-                     "it once for each (`python -m mimo_data.loading.dry_run` gives a mix's "
-                     "steps as each rank's loader delivers them)")
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        words = [word for word in extra if not word.startswith("-")]
+        if words and len(words) == len(extra) and args.command in ("report", "sample", "plan"):
+            print(f"mimo-inspect {args.command}: error: it reads one dataset, "
+                  f"{len(words) + 1} were given ({' '.join(words)} too): run it once for each "
+                  "(`python -m mimo_data.loading.dry_run` gives a mix's steps as each rank's "
+                  "loader delivers them)" + (
+                      "; a sample is chosen with --key KEY or --index N"
+                      if args.command == "sample" else ""), file=sys.stderr)
+            return 2
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "checkpoint":          # a training run's: no dataset, no config
         return checkpoint(args) if checkpoint else _needs_trainer("checking checkpoints "
                                                                   "needs", "checkpoint")
