@@ -379,6 +379,43 @@ def case_every_answer_empty(tmp_path, assets):
     return Case(record, "empty_answers", detail="every trained answer (2) is empty")
 
 
+def _tool_record(*turns) -> dict:
+    """A conversation calling get_weather, then ``turns``, then the answer."""
+    return {"id": "bad", "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                          "arguments": {"city": "Paris"}}}]},
+        *turns, {"role": "assistant", "content": "21 degrees."}]}
+
+
+def case_tool_response_no_call_asked_for(tmp_path, assets):
+    """A tool's response after a user's turn (LLaMA-Factory's observation right after the
+    question): the answer after it would train on a result nothing called for."""
+    return Case({"id": "bad", "conversations": [
+        {"from": "human", "value": "Weather?"}, {"from": "observation", "value": "21"},
+        {"from": "gpt", "value": "21 degrees."}]}, "malformed_record",
+        detail="turn 1 is a tool's response after a user turn, which no call asked for")
+
+
+def case_tool_responses_more_than_calls(tmp_path, assets):
+    return Case(_tool_record({"role": "tool", "content": "21"}, {"role": "tool", "content": "22"}),
+                "malformed_record",
+                detail="turn 3 is response 2 to an answer that makes 1 call(s)")
+
+
+def case_tool_response_naming_no_call(tmp_path, assets):
+    return Case(_tool_record({"role": "tool", "tool_call_id": "c9", "content": "21"}),
+                "malformed_record",
+                detail="turn 2's tool_call_id 'c9' names none of the calls of the answer "
+                "before it (c1)")
+
+
+def case_tool_response_without_content(tmp_path, assets):
+    return Case(_tool_record({"role": "tool", "tool_call_id": "c1", "content": None}),
+                "malformed_record", detail="turn 2 is a tool's response without content")
+
+
 def case_no_assistant_turn(tmp_path, assets):
     """A prompt without its answer: nothing a sample of it could train, at any epoch."""
     record = _image_record(assets["jpeg"])

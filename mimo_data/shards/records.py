@@ -151,6 +151,10 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
             speaker, calls, content = "assistant", _calls({"tool_calls": content}, i), ""
         if content is None and calls:               # OpenAI's content of a call: null
             content = ""
+        if content is None and ROLE_ALIASES.get(str(speaker).lower()) == "tool":
+            raise RecordError("malformed_record", f"turn {i} is a tool's response without "
+                              "content: give the tool's result as its content (a string, or "
+                              "its JSON)")
         if speaker is None or content is None:
             keys = sorted(key for key, value in turn.items() if value is not None)
             nulls = sorted(key for key, value in turn.items() if value is None)
@@ -202,6 +206,8 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
         if call_turn and messages and messages[-1]["role"] == "assistant":
             _join_calls(messages[-1], message, i)
             continue
+        if role == "tool":
+            _check_response(messages, message, i)
         messages.append(message)
     if not (system is None or isinstance(system, float) and math.isnan(system)
             or isinstance(system, str) and not system.strip()):       # a table's null, NaN
@@ -251,6 +257,34 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
     _utf8(written, "a tool call, tool or tool turn's name")
     _no_markers(written, "a tool call or tool")
     return messages
+
+
+def _check_response(messages: list[dict], response: dict, i: int) -> None:
+    """A tool's response (turn ``i``, after ``messages``) answers a call, as OpenAI's format
+    requires: it follows the answer that calls (its ``tool_calls``, or calls written in its
+    text, as Hermes' data has them) and that answer's other responses, is not one more
+    response than the answer's calls, and names one of them where both give ids. Otherwise a
+    sample would train the answer after a result that no call asked for."""
+    start = len(messages)
+    while start and messages[start - 1]["role"] == "tool":
+        start -= 1
+    answer = messages[start - 1] if start else None
+    if answer is None or answer["role"] != "assistant":
+        where = "as the first turn" if answer is None else f"after a {answer['role']} turn"
+        raise RecordError("malformed_record", f"turn {i} is a tool's response {where}, which "
+                          "no call asked for: a tool's response follows the answer that calls "
+                          "the tool (its tool_calls); give that answer, or make the turn a "
+                          "user's")
+    calls = answer.get("tool_calls") or []
+    if calls and len(messages) - start >= len(calls):
+        raise RecordError("malformed_record", f"turn {i} is response {len(messages) - start + 1}"
+                          f" to an answer that makes {len(calls)} call(s): give one response "
+                          "a call")
+    ids = [call["id"] for call in calls if "id" in call]
+    named = response.get("tool_call_id")
+    if named is not None and ids and named not in ids:
+        raise RecordError("malformed_record", f"turn {i}'s tool_call_id {named!r} names none "
+                          f"of the calls of the answer before it ({', '.join(ids)})")
 
 
 def _join_calls(answer: dict, call: dict, i: int) -> None:
@@ -354,7 +388,8 @@ def _json(text: str, where: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:
-        raise RecordError("malformed_record", f"{where} is not JSON: {exc}") from None
+        raise RecordError("malformed_record", f"{where} is not JSON ({exc}): give it as JSON "
+                          "text, or as the object itself") from None
 
 
 def _parts(content) -> bool:
