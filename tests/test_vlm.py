@@ -375,7 +375,7 @@ def test_another_image_token_with_the_checkpoints_tokenizer_names_the_token(vlm_
     preprocess.write_text(vlm_data[1].read_text().replace('token: "<|image_pad|>"',
                                                           'token: "<image>"'))
     from mimo_data.preprocess.chat_tokens import load_tokenizer
-    from mimo_train.families.base import check_preprocessing
+    from mimo_train.families.preprocessing_fit import check_preprocessing
     plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
                                            f"data.preprocess={preprocess}"]))
     with pytest.raises(TrainConfigError) as refused:     # as training's start-up checks it
@@ -496,7 +496,7 @@ def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_pat
     """What the trainer checks in its config phase, before building anything."""
     from mimo_data.preprocess.chat_tokens import load_tokenizer
     from mimo_train.families.registry import read_vlm
-    from mimo_train.families.base import check_preprocessing
+    from mimo_train.families.preprocessing_fit import check_preprocessing
     _, preprocess, _ = vlm_data
     text = preprocess.read_text()
     for old, new in change:
@@ -521,7 +521,7 @@ def test_a_checkpoint_without_tokenizer_files_takes_the_preprocessings(vlm_data,
 
     from mimo_data.preprocess.chat_tokens import load_tokenizer
     from mimo_train.cli import main
-    from mimo_train.families.base import check_preprocessing
+    from mimo_train.families.preprocessing_fit import check_preprocessing
     from mimo_train.families.registry import read_vlm
     for name in ("config.json", "preprocessor_config.json"):
         shutil.copy(VLM / name, tmp_path / name)
@@ -563,7 +563,7 @@ def test_an_image_tower_given_in_place_of_the_checkpoints_takes_its_own_geometry
     checkpoint's own tower's geometry is not asked of them (its image token and wrap still
     are); the same config against the VLM's own tower is refused."""
     from mimo_data.preprocess.chat_tokens import load_tokenizer
-    from mimo_train.families.base import check_preprocessing
+    from mimo_train.families.preprocessing_fit import check_preprocessing
     _, preprocess, _ = vlm_data
     fixed = tmp_path / "fixed.yaml"
     fixed.write_text(preprocess.read_text().replace(

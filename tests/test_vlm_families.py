@@ -449,7 +449,7 @@ def test_preprocessing_for_prints_the_derived_config(capsys, monkeypatch):
     from mimo_data.modalities.audio import AudioConfig
     from mimo_data.preprocess.tokenizer_loading import load_tokenizer
     from mimo_train.config import TrainConfig
-    from mimo_train.families.base import check_preprocessing
+    from mimo_train.families.preprocessing_fit import check_preprocessing
     from mimo_train.plan import resolve
     for model, config, refused in ((published, yaml.safe_load(out), True),
                                    (checkpoint, printed, False)):
@@ -479,7 +479,7 @@ def test_preprocessing_for_prints_the_derived_config(capsys, monkeypatch):
     import dataclasses
 
     from mimo_data.preprocess.chat_render import ChatRenderer
-    from mimo_train.families.base import check_template
+    from mimo_train.families.preprocessing_fit import check_template
     smol = PreprocessConfig.from_yaml(str(Path(__file__).parents[1] / "configs" /
                                           "preprocess.yaml"))
     assert "audio" in smol.modalities

@@ -305,7 +305,7 @@ def test_videos_written_otherwise_than_the_checkpoint_expects_are_refused(name, 
     from mimo_data.preprocess.chat_tokens import load_tokenizer
     from mimo_train.errors import TrainConfigError
     from mimo_train.families.registry import read_vlm
-    from mimo_train.families.base import check_preprocessing
+    from mimo_train.families.preprocessing_fit import check_preprocessing
     checkpoint = {**CHECKPOINTS, "qwen3-vl": MODELS / "published" /
                   "Qwen--Qwen3-VL-2B-Instruct"}[name]
     config = config_for(checkpoint)

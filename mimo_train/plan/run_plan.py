@@ -17,7 +17,8 @@ from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.config import LoraConfig, OptimizerConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import VLM, foreign_tokenizer
+from mimo_train.families.base import VLM
+from mimo_train.families.preprocessing_fit import foreign_tokenizer
 from mimo_train.families.registry import read_vlm
 from mimo_train.plan.encoders import EncoderSetting, check_vlm_projections, encoder_settings
 from mimo_train.plan.language import LanguagePlan, language_plan

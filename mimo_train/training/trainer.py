@@ -47,7 +47,7 @@ from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, Re
 from mimo_train.components.optimizer import (build_optimizer, build_schedulers,
                                              schedule_notes, trained_optimizers)
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import check_preprocessing, check_template
+from mimo_train.families.preprocessing_fit import check_preprocessing, check_template
 from mimo_train.mcore import (MultiModuleProcessGroupCollection, ensure_global_memory_buffer,
                               get_forward_backward_func, model_parallel_cuda_manual_seed)
 from mimo_train.mcore.attention import available, choose

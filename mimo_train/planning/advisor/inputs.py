@@ -199,7 +199,7 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     plan = resolve(cfg, preprocess)
     if plan.vlm is not None:            # the trainer's own check, at its start-up
         from mimo_data.preprocess.tokenizer_loading import load_tokenizer
-        from mimo_train.families.base import check_preprocessing
+        from mimo_train.families.preprocessing_fit import check_preprocessing
         check_preprocessing(plan.vlm, preprocess, load_tokenizer(preprocess),
                             plan.vlm_tower_serves)
     try:
