@@ -334,8 +334,8 @@ def wrong_path(named: str, value: str, resolved: str, kind: str, relative_hint: 
     ``resolved``: ``named`` (the key and value), then, for a relative one, where it led and
     ``relative_hint``, for an absolute one (``~`` expanded) that alone."""
     state = f"is not a {kind}" if os.path.exists(resolved) else "is not there"
-    if os.path.isabs(os.path.expanduser(value)):
-        expanded = os.path.expanduser(value)
+    expanded = os.path.expanduser(value)
+    if os.path.isabs(expanded):
         return f"{named} {state}" if expanded == value else f"{named} ({expanded}) {state}"
     return f"{named} is {resolved}, which {state}{relative_hint}"
 
