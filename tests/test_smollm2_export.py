@@ -257,6 +257,15 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert capsys.readouterr().err.endswith(
         f"latest holds '', no step's folder name: write the step to resume into it (echo "
         f"step_NNNNNNN > {tmp_path / 'ck' / 'latest'}); " + newest)
+    # latest's step without its meta.json (removed since): the newest earlier one named,
+    # not the damaged step itself
+    (tmp_path / "ck" / "latest").write_text("step_0000002")
+    (later / "meta.json").rename(later / "gone")
+    assert main(["--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"{later} (the latest of {tmp_path / 'ck'}) holds no meta.json: the checkpoint is "
+        f"incomplete; export the newest earlier one: mimo-export --checkpoint {earlier}\n")
+    (later / "gone").rename(later / "meta.json")
     (tmp_path / "ck" / "latest").unlink()
     # a run's checkpoint.dir before its first save: said so, not "give a checkpoint.dir"
     from mimo_train.components.checkpoint_owner import OWNER

@@ -163,9 +163,13 @@ def step_directory(path: str) -> str:
                           f"folder copied without it, or a step removed){_steps_in(path)}",
                           exit_code=1)
     if not os.path.isfile(os.path.join(found, META)):
+        from mimo_train.checkpoint_folders import earlier_steps
+        earlier = earlier_steps(found)
         raise ExportError(f"{found} (the latest of {path}) holds no meta.json: the checkpoint "
-                          f"is incomplete; give an earlier step_* directory{_steps_in(path)}",
-                          exit_code=1)
+                          "is incomplete; " + (
+                              f"export the newest earlier one: mimo-export --checkpoint "
+                              f"{earlier[0]}" if earlier else
+                              "no earlier checkpoint is beside it to export"), exit_code=1)
     return found
 
 
