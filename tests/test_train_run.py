@@ -1327,6 +1327,10 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
                        (tmp / "nothing-here", "nothing-here: no such directory")):
         code, _, err = inspected(path)
         assert code == 2 and said in err, err
+    (root / "step_0000003" / "meta.json").unlink()      # one problem: one FAIL line
+    code, _, err = inspected(root / "step_0000003")
+    assert code == 1 and err.count("FAIL") == 1 and "step_0000003: meta.json: file " \
+        "missing or unreadable" in err, err
     from mimo_data.inspect.cli import main as data_main          # without mimo_train
     assert data_main(["checkpoint", str(root)]) == 2
     assert "mimo-inspect checkpoint: error: checking checkpoints needs mimo_train: run the " \

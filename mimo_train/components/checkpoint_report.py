@@ -138,13 +138,16 @@ def check_step(directory: str, workers: int = 4) -> StepReport:
         report.problems.append(f"no {MANIFEST}: its save did not finish (a run killed while "
                                "saving); a resume cannot use it")
         return report
-    if report.meta is None:
-        report.problems.append(f"{META} is missing or unreadable")
+    meta_there = os.path.isfile(os.path.join(directory, META))
+    unread = (f"{META} is unreadable (not a JSON object)" if meta_there else f"{META} is missing"
+              ) if report.meta is None else None
     try:
         expected, sizes = digests.read_manifest(directory)
     except IntegrityError as error:
-        report.problems.append(str(error))
+        report.problems += [*([unread] if unread else []), str(error)]
         return report
+    if unread and (meta_there or META not in expected):    # else the files' check says it
+        report.problems.append(unread)
     started = time.perf_counter()
     report.problems += digests.mismatches(directory, sorted(expected), expected, sizes, workers)
     report.seconds = time.perf_counter() - started
