@@ -520,6 +520,67 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     assert "LR decay" not in output and "layout" not in output, output
 
 
+def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys):
+    """An exit signal that comes while a step's checkpoint is saved (in process: the loop with
+    its steps, save and the ranks' agreement stubbed) stops the run on that checkpoint: no
+    further step is trained and saved, which at real sizes would spend the grace time twice."""
+    import signal
+    from types import SimpleNamespace
+
+    from mimo_train.training import trainer as module
+
+    saved: list[int] = []
+
+    class Signals:                  # the ranks agree on the signal once a save has begun
+        def __init__(self, names, deadline):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def agreed(self):
+            return signal.SIGTERM if saved else 0
+
+    class Profile:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def before(self, step):
+            pass
+
+        def after(self, step):
+            pass
+
+    monkeypatch.setattr(module, "ExitSignals", Signals)
+    trainer = module.Trainer.__new__(module.Trainer)
+    trainer.cfg = SimpleNamespace(
+        train=SimpleNamespace(steps=6, exit_signals=["SIGTERM"], eval_interval=0,
+                              exit_interval=0, micro_batch_size=2),
+        checkpoint=SimpleNamespace(interval=2, dir="ck"), data=SimpleNamespace(datasets=["d"]))
+    trainer.deadline, trainer.step, trainer.stopped_by, trainer.samples = None, 0, 0, {}
+    trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
+    trainer.device, trainer.loader, trainer.step_samples = torch.device("cpu"), None, []
+
+    def train_step(iterator):
+        trainer.step += 1
+        return object(), [], []
+    trainer.train_step, trainer.batches = train_step, lambda loader, datasets: iter(())
+    trainer.save, trainer.settle = lambda: saved.append(trainer.step), lambda: ([], [])
+    trainer._anomalies, trainer.profile = lambda skipped, read: None, Profile()
+    trainer.saver = SimpleNamespace(poll=list, wait=list, release=lambda: None, queue=None)
+    trainer.metrics = SimpleNamespace(records=[], flush=lambda show=False: [],
+                                      close=lambda: None)
+    trainer._train()
+    assert saved == [2] and trainer.step == 2 and trainer.stopped_by == signal.SIGTERM, saved
+    assert "mimo-train: SIGTERM received: stopped after step 2\n" in capsys.readouterr().out
+
+
 def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path):
     """The trainer's resume and model.init_from (in process, the checkpoint's tensor checks
     and loads stubbed) run the checkpoint's LoRA alpha check: a run with alpha 64 on adapters

@@ -486,6 +486,13 @@ class Trainer:
                 if saving and self.saver:
                     self.doing = f"the checkpoint of step {self.step}"
                     self.save()
+                    if not (last or stop):
+                        # a signal come while it saved stops on this checkpoint, rather than
+                        # after another step and another save (a grace time spent twice)
+                        during = signals.agreed()
+                        if during and during != PAST_DEADLINE:
+                            self.stopped_by, stop = during, True
+                            self._anomalies([], self.metrics.flush(show=True))
                     if last or stop:
                         self._saved(self.saver.wait())
                 if self.stopped_by:
