@@ -785,6 +785,21 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
         {"role": "assistant", "content": "<think>\nTwo cities.\n</think>\n",
          "tool_calls": [call, rome]},
         {"role": "tool", "content": "21"}, {"role": "tool", "content": "25"}, answer]
+    # calls written in the answer's text (Hermes', ToolACE's data): their responses follow it
+    from mimo_data.shards.records import normalize_messages
+    calls_in_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+        '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}' \
+        '\n</tool_call>'
+    hermes = normalize_messages([
+        {"from": "system", "value": "Use tools."}, {"from": "human", "value": "Weather?"},
+        {"from": "gpt", "value": calls_in_text}, {"from": "tool", "value": "21"},
+        {"from": "tool", "value": "25"}, {"from": "gpt", "value": "21 and 25 degrees."}])
+    assert [m["role"] for m in hermes] == ["system", "user", "assistant", "tool", "tool",
+                                          "assistant"]
+    toolace = normalize_messages([question, {"role": "assistant", "content":
+                                             "[get_weather(city='Paris')]"},
+                                  {"role": "tool", "content": "21"}, answer])
+    assert toolace[2] == {"role": "tool", "content": "21"}
 
 
 def test_tool_fields_no_json_holds_are_malformed_records():

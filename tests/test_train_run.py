@@ -520,13 +520,16 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     assert "LR decay" not in output and "layout" not in output, output
 
 
-def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys):
-    """An exit signal that comes while a step's checkpoint is saved (in process: the loop with
-    its steps, save and the ranks' agreement stubbed) stops the run on that checkpoint: no
-    further step is trained and saved, which at real sizes would spend the grace time twice."""
+@pytest.mark.parametrize("during", ["SIGTERM", "deadline"])
+def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys, during):
+    """An exit signal that comes while a step's checkpoint is saved, or the run's time limit
+    passing then (in process: the loop with its steps, save and the ranks' agreement stubbed),
+    stops the run on that checkpoint: no further step is trained and saved, which at real
+    sizes would spend the grace time twice."""
     import signal
     from types import SimpleNamespace
 
+    from mimo_train.runtime.preemption import PAST_DEADLINE
     from mimo_train.training import trainer as module
 
     saved: list[int] = []
@@ -542,7 +545,7 @@ def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys):
             pass
 
         def agreed(self):
-            return signal.SIGTERM if saved else 0
+            return (signal.SIGTERM if during == "SIGTERM" else PAST_DEADLINE) if saved else 0
 
     class Profile:
         def __enter__(self):
@@ -561,7 +564,7 @@ def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys):
     trainer = module.Trainer.__new__(module.Trainer)
     trainer.cfg = SimpleNamespace(
         train=SimpleNamespace(steps=6, exit_signals=["SIGTERM"], eval_interval=0,
-                              exit_interval=0, micro_batch_size=2),
+                              exit_interval=0, micro_batch_size=2, exit_duration_minutes=5),
         checkpoint=SimpleNamespace(interval=2, dir="ck"), data=SimpleNamespace(datasets=["d"]))
     trainer.deadline, trainer.step, trainer.stopped_by, trainer.samples = None, 0, 0, {}
     trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
@@ -577,8 +580,11 @@ def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys):
     trainer.metrics = SimpleNamespace(records=[], flush=lambda show=False: [],
                                       close=lambda: None)
     trainer._train()
-    assert saved == [2] and trainer.step == 2 and trainer.stopped_by == signal.SIGTERM, saved
-    assert "mimo-train: SIGTERM received: stopped after step 2\n" in capsys.readouterr().out
+    assert saved == [2] and trainer.step == 2, saved
+    assert trainer.stopped_by == (signal.SIGTERM if during == "SIGTERM" else 0)
+    assert ("mimo-train: SIGTERM received: stopped after step 2\n" if during == "SIGTERM" else
+            "mimo-train: train.exit_duration_minutes 5 passed: stopping after step 2\n") \
+        in capsys.readouterr().out
 
 
 def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path):

@@ -185,7 +185,7 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
     if stopped is not None:         # the file's size tells a cut header from a damaged one
         walked.truncated = (
             f"a damaged tar header at byte {stopped} (the file goes on to byte {stream.size}): "
-            "the members after it cannot be read" if stream.size >= stopped + _BLOCK else
+            "the rest of the file cannot be read" if stream.size >= stopped + _BLOCK else
             f"the tar ends at byte {stream.size} without its end-of-archive block (a header "
             f"cut short at byte {stopped})")
         walked.cut_key = reading

@@ -355,7 +355,7 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
         if problem:
             raise CheckpointError(f"checkpoint {directory} was not completed ({problem}); "
                                   f"{LATEST} still names the previous one")
-        if rank == 0 and keep_last:       # the others go on meanwhile
+        if rank == 0 and keep_last:       # the others go on to the next collective
             try:
                 prune(root, keep_last, directory)
             except OSError as error:      # the checkpoint is complete: the run goes on

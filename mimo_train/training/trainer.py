@@ -487,11 +487,13 @@ class Trainer:
                     self.doing = f"the checkpoint of step {self.step}"
                     self.save()
                     if not (last or stop):
-                        # a signal come while it saved stops on this checkpoint, rather than
-                        # after another step and another save (a grace time spent twice)
+                        # a signal come (or the time limit passed) while it saved stops on
+                        # this checkpoint, rather than after another step and another save (a
+                        # grace time spent twice); an asynchronous save has only begun here
                         during = signals.agreed()
-                        if during and during != PAST_DEADLINE:
-                            self.stopped_by, stop = during, True
+                        if during:
+                            late = during == PAST_DEADLINE
+                            self.stopped_by, stop = 0 if late else during, True
                             self._anomalies([], self.metrics.flush(show=True))
                     if last or stop:
                         self._saved(self.saver.wait())
