@@ -37,7 +37,7 @@ from mimo_data.files import file_sha256, parquet_batches
 from mimo_data.shards.format import RECORDS_FILE
 from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.index import index_bytes, parse_index, remake, shard_root
-from mimo_data.shards.tar_walk import NotATarError, Walked, walk
+from mimo_data.shards.tar_walk import NotATarError, Sample, Walked, walk
 
 MAX_PROBLEMS_PER_SHARD = 20
 
@@ -119,17 +119,7 @@ def _walk_built(path: str, shard: dict, rows: list[dict], walked: Walked) -> lis
                 problems.append(f"shard {shard['name']}: sample {sample.key} found where the "
                                 f"table expects {row and row['key']}")
                 return problems
-            placed = {m["name"]: m for m in row["members"]}
-            for suffix, member in sample.members.items():
-                record = placed.get(suffix)
-                where = f"shard {shard['name']}: sample {sample.key} member {sample.key}.{suffix}"
-                if record is None or (record["offset"], record["size"]) != (member.offset,
-                                                                             member.size):
-                    problems.append(f"{where}: at offset {member.offset} size {member.size}, "
-                                    f"the table says {record}")
-                elif record.get("crc32") is not None and member.crc32 != record["crc32"]:
-                    problems.append(f"{where}: its bytes changed (crc32 differs from "
-                                    f"{SAMPLES_FILE})")
+            problems += _placed(f"shard {shard['name']}: sample {sample.key}", sample, row)
             problems += [f"shard {shard['name']}: member {name} repeats a suffix of its sample"
                          for name in sample.duplicates]
             problems += _check_sample(shard["name"], sample.key, row,
@@ -150,6 +140,22 @@ def _walk_built(path: str, shard: dict, rows: list[dict], walked: Walked) -> lis
     return problems
 
 
+def _placed(where: str, sample: Sample, row: dict) -> list[str]:
+    """Problems of ``sample``'s members (``where``: its shard and key) against its row of the
+    sample table: each where the row says, with the row's crc32 (where recorded)."""
+    placed = {m["name"]: m for m in row["members"]}
+    problems = []
+    for suffix, member in sample.members.items():
+        record = placed.get(suffix)
+        named = f"{where} member {sample.key}.{suffix}"
+        if record is None or (record["offset"], record["size"]) != (member.offset, member.size):
+            problems.append(f"{named}: at offset {member.offset} size {member.size}, the table "
+                            f"says {record}")
+        elif record.get("crc32") is not None and member.crc32 != record["crc32"]:
+            problems.append(f"{named}: its bytes changed (crc32 differs from {SAMPLES_FILE})")
+    return problems
+
+
 def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict],
                   walked: Walked) -> list[str]:
     """``_walk_built`` for a tar indexed in place: its indexed samples' members where the
@@ -162,20 +168,12 @@ def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict],
                 continue                    # left out by the indexing (its report counts it)
             row, record = expected.pop(sample.key)
             where = f"shard {shard['name']}: sample {sample.key}"
-            placed = {m["name"]: m for m in row["members"]}
-            if list(placed) != list(sample.members):
+            listed = [m["name"] for m in row["members"]]
+            if listed != list(sample.members):
                 problems.append(f"{where}: members {list(sample.members)}, the table lists "
-                                f"{list(placed)}")
+                                f"{listed}")
                 continue
-            for suffix, member in sample.members.items():
-                if (member.offset, member.size) != (placed[suffix]["offset"],
-                                                    placed[suffix]["size"]):
-                    problems.append(f"{where} member {sample.key}.{suffix}: at offset "
-                                    f"{member.offset} size {member.size}, the table says "
-                                    f"{placed[suffix]}")
-                elif member.crc32 != placed[suffix]["crc32"]:
-                    problems.append(f"{where} member {sample.key}.{suffix}: its bytes changed "
-                                    f"(crc32 differs from {SAMPLES_FILE})")
+            problems += _placed(where, sample, row)
             for item in record["media"]:
                 problems += _check_media(where, item, sample.members[item["member"]].data)
             if len(problems) >= MAX_PROBLEMS_PER_SHARD:
