@@ -263,8 +263,9 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     (later / "meta.json").rename(later / "gone")
     assert main(["--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err.endswith(
-        f"{later} (the latest of {tmp_path / 'ck'}) holds no meta.json: the checkpoint is "
-        f"incomplete; export the newest earlier one: mimo-export --checkpoint {earlier}\n")
+        f"checkpoint {later} is damaged: it holds no meta.json (it is the latest of "
+        f"{tmp_path / 'ck'}); export the newest earlier one instead: mimo-export --checkpoint "
+        f"{earlier}\n")
     (later / "gone").rename(later / "meta.json")
     (tmp_path / "ck" / "latest").unlink()
     # a run's checkpoint.dir before its first save: said so, not "give a checkpoint.dir"

@@ -163,13 +163,8 @@ def step_directory(path: str) -> str:
                           f"folder copied without it, or a step removed){_steps_in(path)}",
                           exit_code=1)
     if not os.path.isfile(os.path.join(found, META)):
-        from mimo_train.checkpoint_folders import earlier_steps
-        earlier = earlier_steps(found)
-        raise ExportError(f"{found} (the latest of {path}) holds no meta.json: the checkpoint "
-                          "is incomplete; " + (
-                              f"export the newest earlier one: mimo-export --checkpoint "
-                              f"{earlier[0]}" if earlier else
-                              "no earlier checkpoint is beside it to export"), exit_code=1)
+        from mimo_train.checkpoint_folders import damaged
+        raise _damaged(found, damaged(found, f"it holds no {META} (it is the latest of {path})"))
     return found
 
 
@@ -293,12 +288,18 @@ def _weights(directory: str) -> dict:
     except CheckpointError as error:
         if not error.what:
             raise ExportError(f"{directory}: {error}", exit_code=1) from None
-        raise ExportError(f"checkpoint {directory} is damaged: {error.what}; " + (
-            f"export the newest {_beside(directory)} instead: mimo-export --checkpoint "
-            f"{error.earlier}" if error.earlier else "no earlier checkpoint is beside it to "
-            "export: restore it from a copy"), exit_code=1) from None
+        raise _damaged(directory, error) from None
     except OSError as error:
         raise ExportError(f"{directory}: {error}", exit_code=1) from None
+
+
+def _damaged(directory: str, error: CheckpointError) -> ExportError:
+    """A damaged step (``checkpoint_folders.damaged``'s error) said with the step to export
+    instead."""
+    return ExportError(f"checkpoint {directory} is damaged: {error.what}; " + (
+        f"export the newest {_beside(directory)} instead: mimo-export --checkpoint "
+        f"{error.earlier}" if error.earlier else "no earlier checkpoint is beside it to "
+        "export: restore it from a copy"), exit_code=1)
 
 
 def _beside(directory: str) -> str:
