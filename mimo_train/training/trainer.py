@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE, LayoutError
-from mimo_data.loading.loader import (DataSource, build_loader, check_dropped, check_even_split)
+from mimo_data.loading.loader import DataSource, build_loader, check_dropped, check_even_split
 from mimo_data.loading.sample_order import OrderError
 from mimo_data.loading.token_table import Partition
 from mimo_data.preprocess.chat_tokens import TextEncoder
