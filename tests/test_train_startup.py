@@ -1,7 +1,8 @@
 """Bad configs fail at start-up with one clear message, never a hang: config errors before the
 process groups exist, stub ranks, non-divisible batches, colocated fan-in with variable counts,
-missing shards, a vocab smaller than the tokenizer, encoder tp, unknown encoder modules, a
-missing pretrained encoder and ranks that read different settings.
+missing shards, a checkpoint.dir another run writes, a vocab smaller than the tokenizer,
+encoder tp, unknown encoder modules, a missing pretrained encoder and ranks that read
+different settings.
 
 Every case runs for real on 3 ranks with gloo on the CPU, all of them in one ``torchrun`` job
 (tests/jobs/startup_cases.py: each rank calls ``mimo_train.cli.main`` on each case in turn and
@@ -18,11 +19,16 @@ launcher's timeout, which kills torchrun and every rank and fails the test.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 import yaml
+
+from mimo_train.checkpoint_folders import MANIFEST
+from mimo_train.components.checkpoint_owner import OWNER, _process
 
 from conftest import REPO, build_dataset, preprocess_config_file
 from support.launch import torchrun
@@ -183,6 +189,15 @@ CASES = [
      ["no shards at {tmp}/unfinished: tars with no index.json: tars made elsewhere",
       "`mimo-shard index {tmp}/unfinished --output DIR`",
       "a `mimo-shard build` that wrote them was interrupted: run it again"]),
+    # -- a checkpoint.dir this run cannot take: said before the model is built (rank 0)
+    ("a checkpoint.dir another run writes", "default",
+     ["checkpoint.dir={tmp}/taken"], "config",
+     ["rank(s) [0]: CheckpointError: checkpoint.dir {tmp}/taken is being written by another "
+      "run (process ", "give this run another checkpoint.dir"]),
+    ("starting over among an earlier run's checkpoints", "default",
+     ["checkpoint.dir={tmp}/earlier", "checkpoint.resume=false"], "config",
+     ["rank(s) [0]: CheckpointError: checkpoint.dir {tmp}/earlier holds an earlier run's "
+      "checkpoints (step_0000002) and checkpoint.resume is false"]),
     # -- vocab smaller than the tokenizer
     ("vocab smaller than the tokenizer", "default",
      ["model.language.vocab_size=1000"], "config",
@@ -317,6 +332,11 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
                                                 "conversations": [
         {"from": "human", "value": "<image>\nHello?"}, {"from": "gpt", "value": "Hi."}]}) + "\n")
     build_dataset([tmp / "none.jsonl"], tmp / "none")   # every record skipped: a report
+    (tmp / "taken").mkdir()             # claimed by a live process: this test's
+    (tmp / "taken" / OWNER).write_text(json.dumps({
+        "host": socket.gethostname(), "pid": os.getpid(), **_process(os.getpid())}))
+    (tmp / "earlier" / "step_0000002").mkdir(parents=True)
+    (tmp / "earlier" / "step_0000002" / MANIFEST).write_text("{}")
     (tmp / "no-weights").mkdir()
     shutil.copy(REPO / "assets" / "models" / "tiny-qwen2-vl-vision" / "config.json",
                 tmp / "no-weights")

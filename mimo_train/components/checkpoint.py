@@ -89,11 +89,15 @@ class TrainingState:
     loader: Any                      # RankLoader, None on ranks without data
 
 
-def prepare(root: str, resume: bool) -> str | None:
-    """Start-up of a run with ``checkpoint.dir`` ``root``: the folder made and written to (a
-    save that cannot write fails here, not at the first checkpoint, hours in), then what it
-    resumes (``resume_point``; None without ``resume``). Rank 0 claims the folder for the run
-    (``checkpoint_owner``)."""
+def check_folder(root: str, resume: bool) -> None:
+    """Rank 0, before the model is built: ``CheckpointError`` where ``root`` cannot be this
+    run's ``checkpoint.dir`` (nothing written). ``prepare`` asks again as it claims it."""
+    _check_kind(root)
+    _check_free(root, resume)
+
+
+def _check_kind(root: str) -> None:
+    """``CheckpointError`` where ``root`` is a model folder or a file."""
     if is_model_folder(root):
         raise CheckpointError(
             f"checkpoint.dir {root} is a transformers model folder (config.json and its "
@@ -103,6 +107,22 @@ def prepare(root: str, resume: bool) -> str | None:
     if os.path.isfile(root):
         raise CheckpointError(f"checkpoint.dir {root} is a file: give a folder (the run saves "
                               "its steps in it)")
+
+
+def _check_free(root: str, resume: bool) -> None:
+    """``CheckpointError`` where another run writes ``root``, or where this run starts over
+    among an earlier run's steps."""
+    checkpoint_owner.check(root)            # another run's folder: said before all else
+    if not resume and os.path.isdir(root):
+        _refuse_earlier_steps(root)
+
+
+def prepare(root: str, resume: bool) -> str | None:
+    """Start-up of a run with ``checkpoint.dir`` ``root``: the folder made and written to (a
+    save that cannot write fails here, not at the first checkpoint, hours in), then what it
+    resumes (``resume_point``; None without ``resume``). Rank 0 claims the folder for the run
+    (``checkpoint_owner``)."""
+    _check_kind(root)
     probe = os.path.join(root, f".write-test-{socket.gethostname()}-{os.getpid()}")
     try:
         os.makedirs(root, exist_ok=True)
@@ -113,9 +133,7 @@ def prepare(root: str, resume: bool) -> str | None:
         raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({error}): give "
                               "a writable checkpoint.dir") from None
     if distributed.rank_and_size()[0] == 0:
-        checkpoint_owner.check(root)            # another run's folder: said before all else
-        if not resume:
-            _refuse_earlier_steps(root)
+        _check_free(root, resume)
     found = resume_point(root) if resume else None
     if distributed.rank_and_size()[0] == 0:     # once nothing else refuses the folder
         checkpoint_owner.claim(root)

@@ -156,6 +156,8 @@ class Trainer:
         self.cfg.check_inputs()
         if self.rank == 0:                  # what rank 0 writes (the records, TensorBoard's)
             check_outputs(records, self.cfg.train.tensorboard_dir)
+            if self.cfg.checkpoint.dir:     # another run's folder: said in seconds
+                checkpoint.check_folder(self.cfg.checkpoint.dir, self.cfg.checkpoint.resume)
         start_checks.check_data(self.cfg, self.preprocess, self.layout)
         text = TextEncoder(self.preprocess)
         vocabulary = self.plan.language.vocabulary(text.vocab_size)
