@@ -239,6 +239,7 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
         "truncated": set(),
         "empty_answer_turns": {keys["fault-empty-answer"]},
         "reasoning_dropped": set(),          # SmolLM2's template leaves no reasoning out
+        "unclosed_think": set(),
         "placeholder_mismatches": set(),
         # The blank lines before that answer are not content: its loss mask covers it.
         "loss_mask_coverage": set(),
@@ -351,8 +352,9 @@ def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_a
     datasets pass it, an earlier turn's reasoning repeated later included. Text the template
     keeps in neither part (between two ``</think>``) fails it; an earlier answer that is
     reasoning alone trains an empty answer; answers whose reasoning is left out are listed under
-    reasoning_dropped, which fails no run by default. A turn's ``reasoning_content`` is built
-    into its content as a think block."""
+    reasoning_dropped, which fails no run by default. An answer whose ``<think>`` is never
+    closed fails unclosed_think (no template takes it apart). A turn's ``reasoning_content``
+    is built into its content as a think block."""
     def turns(*contents):
         return [{"role": ("user", "assistant")[k % 2], "content": text}
                 for k, text in enumerate(contents)]
@@ -367,6 +369,9 @@ def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_a
                                                    "And then?", "Bye.")},
         {"id": "lost-middle", "messages": turns(
             "Hi", "<think>A plan.</think>A middle part.</think>Final.")},
+        # a think block never closed: written as text, trained as such; a user's is not
+        {"id": "unclosed", "messages": turns("Hi", "<think>Plan it, then say hello. Hello.")},
+        {"id": "user-asks", "messages": turns("What is <think> for?", "Reasoning.")},
         {"id": "reasoning-field", "messages": [
             {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello.", "reasoning_content": " Greet back. "}]},
@@ -404,6 +409,8 @@ def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_a
     check = next(c for c in report["checks"] if c["name"] == "reasoning_dropped")
     assert check["passed"] and check["count"] == 3 and check["limit"] == 1.0
     assert "FAIL reasoning_dropped" not in err
+    assert flagged_keys(report, "unclosed_think") == {keys["unclosed"]}
+    assert "FAIL unclosed_think: 1 of " in err
     code, _, err = report_json(capsys, tmp_path, tmp_path / "shards", config,
                                "--max-reasoning-dropped-fraction", "0")
     assert code == 1 and "FAIL reasoning_dropped" in err

@@ -16,6 +16,7 @@ class Thresholds:
     max_truncated_fraction: float = 0.0
     max_empty_answer_turns_fraction: float = 0.0
     max_reasoning_dropped_fraction: float = 1.0         # reported, off by default
+    max_unclosed_think_fraction: float = 0.0
     max_template_failures: int = 0
     max_marker_mismatches: int = 0
     max_placeholder_mismatches: int = 0
@@ -38,6 +39,10 @@ CHECKS = {
                           "samples whose earlier answers' reasoning the chat template leaves "
                           "out while it writes later ones' (Qwen3's, Qwen3.5's, as at "
                           "inference: the turns after the last user query keep theirs)"),
+    "unclosed_think": ("max_unclosed_think_fraction", "fraction",
+                       "samples training an answer whose <think> has no </think> after it "
+                       "(no template takes it apart: the model learns to open a think block "
+                       "it never closes)"),
     "template_failures": ("max_template_failures", "count",
                           "samples the chat template cannot render or round-trip"),
     "marker_mismatches": ("max_marker_mismatches", "count",

@@ -213,6 +213,8 @@ class Gallery:
             labels.append("empty_answer_turns")
         if stats.reasoning_dropped:
             labels.append("reasoning_dropped")
+        if stats.unclosed_think:
+            labels.append("unclosed_think")
         if stats.marker_mismatch:
             labels.append("marker_mismatch")
         if stats.placeholder_mismatch:

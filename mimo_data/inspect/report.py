@@ -19,6 +19,10 @@ reasoning_dropped           its chat template leaves some answers' reasoning    
                             out and writes later ones' (Qwen3's, Qwen3.5's:     (reported,
                             before the last user query, as at inference);       off)
                             their text trains
+unclosed_think              it trains an answer whose last <think> has no       fraction 0
+                            </think> after it: the template writes it as text,
+                            teaching the model to open a think block it never
+                            closes
 template_failures           the template cannot render / round-trip it          count 0
 marker_mismatches           its media markers ≠ its media list                  count 0
 placeholder_mismatches      modality tokens in input_ids ≠ counts from metadata count 0
@@ -147,6 +151,10 @@ class ReportBuilder:
                 flagged["reasoning_dropped"].add(
                     stats, f"{stats.reasoning_dropped} answer(s) train without their reasoning "
                     "(the template writes later answers' reasoning)")
+            if stats.unclosed_think:
+                flagged["unclosed_think"].add(
+                    stats, f"{stats.unclosed_think} answer(s) hold a <think> with no </think> "
+                    "after it")
             if stats.placeholder_mismatch:
                 flagged["placeholder_mismatches"].add(stats, stats.describe_placeholders())
             if stats.coverage_failure:

@@ -192,6 +192,10 @@ def sample_problems(stats: SampleStats) -> list[str]:
         problems.append(f"reasoning dropped: {stats.reasoning_dropped} answer(s) train without "
                         "their reasoning (the chat template leaves it out of these turns and "
                         "writes later ones', as at inference)")
+    if stats.unclosed_think:
+        problems.append(f"unclosed think: {stats.unclosed_think} answer(s) hold a <think> with "
+                        "no </think> after it (trained as text: the model learns to open a "
+                        "think block it never closes; close it or take it out)")
     if stats.marker_mismatch:
         problems.append(f"marker/media mismatch: {stats.describe_markers()}")
     if stats.placeholder_mismatch:

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 
 from mimo_data.preprocess.answer_parts import (PARTS, REASONING, THINK_END, THINK_START,
                                                UNTAKEN, Written, empty_answer, split_reasoning,
-                                               written_parts)
+                                               unclosed_think, written_parts)
 from mimo_data.preprocess.chat_tokens import TextEncoder, TextError
 from mimo_data.preprocess.preprocessor import (Preprocessor, Record, Sample, SampleDropped,
                                                TextSample)
@@ -64,6 +64,7 @@ class SampleStats:
     removed_turns: int = 0
     empty_answers: int = 0                # kept answers without text: their end of turn alone
     reasoning_dropped: int = 0            # answers whose reasoning the template leaves out
+    unclosed_think: int = 0               # trained answers with a <think> never closed
     kind: str = "conversation"            # the record's kind (shards/format.py)
     placeholders: dict[str, int] = field(default_factory=dict)   # modality tokens in input_ids
     # per kept item, from metadata (None: not computable)
@@ -235,6 +236,8 @@ class SampleInspector:
         written = None if document else self.text.answer_parts.written(kept)
         stats.empty_answers = sum(in_loss(message) and empty_answer(message, written, turn)
                                   for turn, message in enumerate(kept))
+        stats.unclosed_think = 0 if document else sum(
+            in_loss(message) and unclosed_think(message) for message in kept)
         headers = None if document else self.headers(
             tuple(str(message.get("role")) for message in kept))
         self.coverage(stats, kept, text.ids, np.concatenate(([False], text.loss_mask)),

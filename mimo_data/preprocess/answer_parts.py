@@ -98,6 +98,14 @@ def empty_answer(message: Mapping[str, Any], written: Written | None, turn: int)
         written_parts(str(message.get("content") or ""), written, turn)).strip()
 
 
+def unclosed_think(message: Mapping[str, Any]) -> bool:
+    """Whether an answer's last ``<think>`` has no ``</think>`` after it: no template takes
+    it apart, and its text trains the model to open a think block it never closes."""
+    content = str(message.get("content") or "")
+    start = content.rfind(THINK_START)
+    return start >= 0 and THINK_END not in content[start:]
+
+
 def _tool_response(message: Mapping[str, Any]) -> bool:
     """A user turn that is a tool's response (``<tool_response>...</tool_response>``), which
     Qwen3's and Qwen3.5's templates do not take for a query."""
