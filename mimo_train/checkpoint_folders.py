@@ -80,7 +80,7 @@ def resume_point(root: str | None) -> str | None:
     if found or not root or not os.path.isdir(root):
         return found
     steps = complete_steps(root)
-    readable = [step for step in steps if _meta_reads(os.path.join(root, step))]
+    readable = [step for step in steps if meta_of(os.path.join(root, step)) is not None]
     if steps and not readable:
         raise CheckpointError(
             f"checkpoint.dir {root} holds {', '.join(steps[-3:])} but no '{LATEST}' file, and "
@@ -127,7 +127,7 @@ def earlier_steps(directory: str) -> list[str]:
         return []
     return [os.path.join(root, step) for step in reversed(complete_steps(root))
             if (not re.fullmatch(STEP_NAME, name) or step < name)
-            and _meta_reads(os.path.join(root, step))]
+            and meta_of(os.path.join(root, step)) is not None]
 
 
 def damaged(directory: str, what: str) -> CheckpointError:
@@ -156,12 +156,15 @@ def damaged(directory: str, what: str) -> CheckpointError:
                            what=what, earlier=earlier[0] if earlier else "")
 
 
-def _meta_reads(directory: str) -> bool:
+def meta_of(directory: str) -> dict | None:
+    """A step folder's ``meta.json``; None where it is missing or no JSON object (``read_meta``
+    says which, for a resume)."""
     try:
         with open(os.path.join(directory, META)) as f:
-            return isinstance(json.load(f), dict)
+            meta = json.load(f)
     except (OSError, ValueError):
-        return False
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def read_meta(directory: str) -> dict:

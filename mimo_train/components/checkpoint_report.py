@@ -19,7 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, complete_steps,
-                                           earlier_steps, latest, not_a_step, resume_point)
+                                           earlier_steps, latest, meta_of, not_a_step,
+                                           resume_point)
 from mimo_train.components import checkpoint_owner, digests
 from mimo_train.errors import CheckpointError, IntegrityError
 
@@ -128,12 +129,7 @@ def _first_intact(found: Findings, candidates: list[str], workers: int) -> str |
 def check_step(directory: str, workers: int = 4) -> StepReport:
     """One step folder's files against its manifest, and its meta.json."""
     report = StepReport(directory, os.path.isfile(os.path.join(directory, MANIFEST)))
-    try:
-        with open(os.path.join(directory, META)) as f:
-            meta = json.load(f)
-        report.meta = meta if isinstance(meta, dict) else None
-    except (OSError, ValueError):
-        pass
+    report.meta = meta_of(directory)
     if not report.complete:
         report.problems.append(f"no {MANIFEST}: its save did not finish (a run killed while "
                                "saving); a resume cannot use it")
