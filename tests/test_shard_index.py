@@ -1189,18 +1189,19 @@ def test_a_pair_without_its_medium_says_what_to_do():
 
 
 @pytest.mark.parametrize("hashes", ["blake2b", "all alike"])
-def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path,
+def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path, capsys,
                                                          monkeypatch, hashes):
     """Tars of two downloads that number keys alike: the first tar's sample is kept, the
     other counted ``duplicate_key``, and the index's totals, modality counts and per-tar
     counts are of the kept samples (the tables rewritten a row a batch here). Keys whose
-    hashes are alike are compared themselves (every hash made alike: the same result)."""
-    from conftest import write_tar
-
+    hashes are alike are compared themselves (every hash made alike: the same result). Tars
+    that number their samples each on their own take ``--keys-per-tar``: every sample kept,
+    its key ``TAR/KEY``, and the index verifies."""
     from mimo_data import files
     from mimo_data.shards import in_place
     from mimo_data.shards.in_place import IndexOptions, index
     from mimo_data.shards.reader import ShardReader
+    from mimo_data.shards.verify import verify
 
     monkeypatch.setattr(files, "PARQUET_BATCH", 1)
     if hashes == "all alike":
@@ -1230,6 +1231,18 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
     assert skip["location"] == "b.tar:1"
     assert skip["detail"].startswith("the key occurs in an earlier tar too (a.tar), whose "
                                      "sample is kept"), skip
+    assert "index them with --keys-per-tar (each sample's key read as TAR/KEY)" in \
+        skip["detail"], skip
+    code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "per-tar",
+                            "--keys-per-tar", "--workers", "0", "--no-progress")
+    assert code == 0, err
+    reader = ShardReader(str(tmp_path / "per-tar"))
+    assert [(reader.table.key(p), reader.record(p)["key"], reader.record(p)["text"])
+            for p in range(len(reader))] == [
+        ("a.tar/1", "a.tar/1", "First one."), ("a.tar/2", "a.tar/2", "Second."),
+        ("b.tar/1", "b.tar/1", "Another first."), ("b.tar/3", "b.tar/3", "Third.")]
+    assert reader.read_member(reader.table.position("b.tar/1"), "jpg") == photo
+    assert verify(str(tmp_path / "per-tar"), progress=False) == []
     from mimo_data.shards.stops import StrictStop
     with pytest.raises(StrictStop, match="^b.tar:1: duplicate_key: the key occurs in an "
                        "earlier tar too"):

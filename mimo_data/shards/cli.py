@@ -146,6 +146,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip images with more pixels (default: Pillow's limit, 89478485)")
     x.add_argument("--markers-first", action="store_true",
                    help="conversations: as build's --markers-first")
+    x.add_argument("--keys-per-tar", action="store_true",
+                   help="the tars number their samples each on their own (keys alike across "
+                   "tars): a sample's key is TAR/KEY, as Energon names it (default: a key "
+                   "found in an earlier tar is skipped as duplicate_key)")
     x.add_argument("--strict", action="store_true",
                    help="stop at the first record that would be skipped (exit 1), writing no "
                    "index, instead of skipping it")
@@ -249,6 +253,7 @@ def _run(args) -> int:
             json_member=args.json_member, name=args.name, workers=args.workers,
             check=args.check, overwrite=args.overwrite, progress=not args.no_progress,
             markers_first=args.markers_first, strict=args.strict,
+            keys_per_tar=args.keys_per_tar,
             **({} if args.max_image_pixels is None
                else {"max_image_pixels": args.max_image_pixels}))
         return _nothing_kept(args.command, index(args.sources, args.output, indexing))

@@ -84,6 +84,7 @@ class _Job:
     storage_options: dict | None
     excluded: frozenset[str] = frozenset()      # keys split.yaml excludes from this tar
     first: str = ""               # the tar the layout was detected from ("": given, not checked)
+    keys_per_tar: bool = False    # a sample's key is TAR/KEY (Energon's name of a sample)
 
 
 def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
@@ -105,11 +106,12 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
         return
     if rotated := sum(1 for item in media if item.get("rotation")):
         result.counts[VIDEOS_ROTATED] += rotated
-    record: dict[str, Any] = {"key": key, "id": made.fields.pop("id"),
+    named = f"{job.name}/{key}" if job.keys_per_tar else key      # the dataset's key
+    record: dict[str, Any] = {"key": named, "id": made.fields.pop("id"),
               "source": {"file": job.name, "key": key, **made.source}, **made.fields,
               "media": media}
     messages: list[dict] = record.get("messages", [])
-    row = {"key": key, "shard": job.name, "id": record["id"], "source": where,
+    row = {"key": named, "shard": job.name, "id": record["id"], "source": where,
            "members": [{"name": suffix, "offset": m.offset, "size": m.size, "crc32": m.crc32}
                        for suffix, m in members.items()],
            "num_turns": len(messages),
@@ -321,8 +323,10 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
         report.count(name, -number)
     report.skip_many("duplicate_key", len(dropped), [
         (f"{shard}:{key}", f"the key occurs in an earlier tar too ({first[key][1]}), whose sample "
-         "is kept (tars of separate downloads that number keys alike: index each alone and "
-         "train on the indexes together, data.datasets: [A, B])")
+         "is kept: where the tars number their samples each on their own (keys alike in "
+         "every tar), index them with --keys-per-tar (each sample's key read as TAR/KEY); "
+         "tars of separate downloads that number keys alike: index each alone and train on "
+         "the indexes together, data.datasets: [A, B]")
         for shard, key in zip(dropped.column("shard").to_pylist()[:5],
                               dropped.column("key").to_pylist()[:5])])
     return Counter(dropped.column("shard").to_pylist())
@@ -500,7 +504,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     line and the throughput line."""
     jobs = [_Job(source.root, name, source.mapping, options.check, options.max_image_pixels,
                  storage_options, energon.excluded_keys(name, source.sample_excludes),
-                 source.detected_from)
+                 source.detected_from, options.keys_per_tar)
             for name in source.shards]
     report = Tally("records_read", "samples_written", "records_skipped", "members_ignored")
     tables = _Tables(staging)

@@ -45,6 +45,7 @@ class IndexOptions:
     progress: bool = True
     markers_first: bool = False           # conversation: place missing markers first
     strict: bool = False                  # the first record skipped stops the indexing
+    keys_per_tar: bool = False            # tars number their samples each on their own: TAR/KEY
 
 
 @dataclass(frozen=True)

@@ -71,9 +71,10 @@ def _member(where: str, item: dict) -> str:
 
 
 def verify_shard(directory: str, shard: dict, rows: list[dict],
-                 records: list[dict] | None = None) -> list[str]:
+                 records: list[dict] | None = None, keys_per_tar: bool = False) -> list[str]:
     """Problems found in one shard (empty list: the shard is intact); ``records``: the
-    shard's records of a dataset indexed in place, ``directory`` its shard root."""
+    shard's records of a dataset indexed in place, ``directory`` its shard root
+    (``keys_per_tar``: indexed with its samples' keys as TAR/KEY)."""
     location = storage.join(directory, shard["name"])
     if not storage.exists(location):
         return [f"{shard['name']}: missing, not at {location}" + (
@@ -83,7 +84,7 @@ def verify_shard(directory: str, shard: dict, rows: list[dict],
         walked = Walked()       # the walk reads the file once: its sha256 too, if it ends
         try:
             located = _walk_built(path, shard, rows, walked) if records is None else \
-                _walk_indexed(path, shard, rows, records, walked)
+                _walk_indexed(path, shard, rows, records, walked, keys_per_tar)
         except (tarfile.TarError, OSError, EOFError, NotATarError) as exc:
             located = [f"shard {shard['name']}: the tar cannot be read: {exc}"]
         problems = _check_file(path, shard, walked.sha256 or None)
@@ -157,16 +158,17 @@ def _placed(where: str, sample: Sample, row: dict) -> list[str]:
 
 
 def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict],
-                  walked: Walked) -> list[str]:
+                  walked: Walked, keys_per_tar: bool) -> list[str]:
     """``_walk_built`` for a tar indexed in place: its indexed samples' members where the
     table says, with their crc32, and their media decoding as their records say."""
     expected = {row["key"]: (row, record) for row, record in zip(rows, records)}
+    prefix = f"{shard['name']}/" if keys_per_tar else ""
     problems: list[str] = []
     with open(path, "rb") as tar:
         for sample in walk(tar, walked):
-            if sample.key not in expected:
+            if prefix + sample.key not in expected:
                 continue                    # left out by the indexing (its report counts it)
-            row, record = expected.pop(sample.key)
+            row, record = expected.pop(prefix + sample.key)
             where = f"shard {shard['name']}: sample {sample.key}"
             listed = [m["name"] for m in row["members"]]
             if listed != list(sample.members):
@@ -294,7 +296,8 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
     shard_of_row = pq.read_table(table, columns=["shard"]).column("shard")
     problems += _unlisted_shards(index, shard_of_row)
     root = shard_root(directory, index)
-    jobs = ((root, shard, rows, records)
+    per_tar = bool(index.get("build", {}).get("keys_per_tar"))
+    jobs = ((root, shard, rows, records, per_tar)
             for shard, rows, records in _shard_rows(table, shard_of_row, directory, index))
     bar = tqdm(total=len(index["shards"]), unit="shard", desc="verify", disable=not progress)
     # a few shards' rows in flight, not the table's
