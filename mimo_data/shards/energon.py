@@ -8,6 +8,7 @@ needed: mimo reads the tars once and keeps its own tables.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Collection
 
@@ -36,11 +37,17 @@ def is_energon(root: str, storage_options: dict | None = None) -> bool:
 def _yaml(root: str, name: str, storage_options: dict | None) -> dict:
     location = storage.join(root, META, name)
     try:
-        loaded = yaml.safe_load(storage.read_bytes(location, storage_options))
+        text = storage.read_bytes(location, storage_options)
     except FileNotFoundError:
         raise SourceError(f"{location}: missing; run `energon prepare {root}` first") from None
+    try:
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise SourceError(f"{location}: not YAML ({exc})") from None
+        # [parts/data-{0..9}.tar] unquoted: YAML reads the braces as a mapping inside the list
+        braces = re.search(rb"\[[^\]\n\"']*\{", text) is not None
+        raise SourceError(f"{location}: not YAML ({exc})" + (
+            "; a brace pattern inside [ ] must be quoted: [\"parts/data-{0..9}.tar\"]"
+            if braces else "")) from None
     if not isinstance(loaded, dict):
         raise SourceError(f"{location}: expected a mapping, found {type(loaded).__name__}")
     return loaded
@@ -129,8 +136,8 @@ def _expanded(where: str, key: str, patterns: object) -> list[str]:
     what energon refuses too (a string where a list belongs, an unbalanced brace)."""
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         raise SourceError(f"{where}: {key} is {patterns!r}; energon reads a list of tar names "
-                          f"or brace patterns (\"{key.split('.')[-1]}: [parts/data-{{0..9}}.tar]\" "
-                          "or one '- NAME' line each)")
+                          f"or brace patterns (`{key.split('.')[-1]}: [\"parts/data-{{0..9}}"
+                          ".tar\"]`, a pattern quoted inside [ ], or one '- NAME' line each)")
     try:
         return [name for pattern in patterns for name in braceexpand.braceexpand(pattern)]
     except ValueError as error:          # braceexpand.UnbalancedBracesError
