@@ -474,6 +474,17 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
                        "check the bucket and the prefix"):
         index(["s3://mimo-no-such-bucket/laion"], str(tmp_path / "none"),
               IndexOptions(workers=0, progress=False), local_s3.storage_options)
+    for tars in ("s3://mimo-no-such-bucket/laion/shard-{000000..000001}.tar",
+                 "s3://mimo-no-such-bucket/laion/*.tar"):
+        with pytest.raises(IndexInputError, match=r"^s3://mimo-no-such-bucket/laion/shard-000000"
+                           r"\.tar: its bucket does not exist: check the URL and the endpoint$"
+                           if "{" in tars else r"^s3://mimo-no-such-bucket/laion/\*\.tar: its "
+                           "bucket does not exist"):
+            index([tars], str(tmp_path / "none"), IndexOptions(workers=0, progress=False),
+                  local_s3.storage_options)
+    with pytest.raises(IndexInputError, match=f"^{url}/pairs-000009.tar: no such file$"):
+        index([f"{url}/pairs-00000{{0,9}}.tar"], str(tmp_path / "none"),
+              IndexOptions(workers=0, progress=False), local_s3.storage_options)
     for name in ("samples.parquet", "records.parquet", "report.json"):
         assert (tmp_path / "idx" / name).read_bytes() == (pairs.out / name).read_bytes()
     assert json.loads((tmp_path / "idx" / "index.json").read_text())["shard_root"] == url
@@ -608,13 +619,20 @@ def test_an_energon_dataset_mimo_cannot_read_is_refused_with_what_to_do(tmp_path
     ("exclude: parts/data-1.tar\nsplit_parts: {train: ['parts/data-{0..2}.tar']}\n",
      "exclude is 'parts/data-1.tar'; energon reads a list of tar names or brace patterns"),
     ("split_parts: {train: 'parts/data-{0..2}.tar'}\n",
-     "split_parts.train is 'parts/data-{0..2}.tar'; energon reads a list"),
+     "split_parts.train is 'parts/data-{0..2}.tar'; energon reads a list of tar names or "
+     "brace patterns (`train: [\"parts/data-{0..9}.tar\"]`, a pattern quoted inside [ ]"),
+    # the advice taken as YAML would read it: the pattern quoted
+    ("split_parts:\n  train: [parts/data-{0..2}.tar]\n",
+     "not YAML (while parsing a flow sequence"),
+    ("split_parts:\n  train: [parts/data-{0..2}.tar]\n",
+     "a brace pattern inside [ ] must be quoted: [\"parts/data-{0..9}.tar\"]"),
     ("split_parts: {train: ['parts/data-{0..2.tar']}\n", "split_parts.train: Unbalanced braces"),
     ("split_parts: {train: ['parts/data-{0..2}.tar', parts/data-0.tar]}\n",
      "split_parts.train lists parts/data-0.tar more than once")])
 def test_a_split_yaml_energon_would_not_read_is_refused(tmp_path, split, why):
     """What energon refuses too (a string where a list belongs: read letter by letter, the
-    excluded tar was trained on; an unbalanced brace), and a tar listed twice (its samples read
+    excluded tar was trained on; an unbalanced brace; a brace pattern unquoted inside [ ],
+    which YAML cannot read), and a tar listed twice (its samples read
     twice, the index's counts of it wrong): one error naming the key."""
     from mimo_data.shards import energon
     from mimo_data.shards.sources import SourceError

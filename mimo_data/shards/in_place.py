@@ -415,7 +415,8 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
         output_given_as_source(sources, storage_options)
     elif storage.is_remote(output):           # before it is made absolute: ./s3:/bucket
         raise IndexInputError(f"--output {output}: the index goes to a local directory (the "
-                              "tars may be at a URL)")
+                              "tars may be at a URL); copy the finished index into the bucket "
+                              "to train from it there")
     source = resolve(sources, options, storage_options)
     given = output is not None
     if output is None:

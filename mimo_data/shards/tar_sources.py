@@ -185,6 +185,13 @@ def resolve(sources: list[str], options: IndexOptions,
     return source
 
 
+def _not_found(location: str, what: str, storage_options: dict | None) -> IndexInputError:
+    """``location`` is not there: ``what``, unless its bucket is missing (said as such)."""
+    return IndexInputError(f"{location}: " + (
+        what if storage.bucket_exists(location, storage_options) else
+        "its bucket does not exist: check the URL and the endpoint"))
+
+
 def _resolve(sources: list[str], options: IndexOptions,
              storage_options: dict | None) -> Source:
     """``resolve``'s tars and member map."""
@@ -253,6 +260,8 @@ def _resolve(sources: list[str], options: IndexOptions,
         paths = [p for p in files if p.lower().endswith(".tar")]     # 00001.TAR too
         # never a folder's data left out without a word: compressed tars beside plain ones
         compressed = [p for p in files if p.lower().endswith(COMPRESSED_TARS)]
+        if not files:
+            raise _not_found(root, "no *.tar files under it", storage_options)
         if not paths or compressed:
             raise IndexInputError(f"{root}: " + (
                 f"{len(compressed)} compressed tar(s) beside the {len(paths)} plain one(s)"
@@ -277,14 +286,14 @@ def _resolve(sources: list[str], options: IndexOptions,
                 if _is_pattern(path):
                     matched = _glob(path, storage_options)
                     if not matched:
-                        raise IndexInputError(f"{path}: matches no file")
+                        raise _not_found(path, "matches no file", storage_options)
                     folder = next((p for p in matched if _a_folder(p, storage_options)), None)
                     if folder:
                         raise IndexInputError(f"{path} matches the folder {folder}: name the "
                                               "tars (a glob such as 'A/*.tar')")
                     paths += matched
                 elif not storage.exists(path, storage_options):
-                    raise IndexInputError(f"{path}: no such file")
+                    raise _not_found(path, "no such file", storage_options)
                 elif _a_folder(path, storage_options):
                     raise IndexInputError(
                         f"{path} is a folder, given with other sources: index one folder at a "

@@ -29,8 +29,9 @@ from webdataset.tariterators import base_plus_ext
 
 _BLOCK = 512
 _WINDOW = 1 << 16      # bytes kept behind the read position: tarfile buffers 10 KiB at most
-NOT_IN_PLACE = ("decompress it into a .tar: a compressed tar's members have no byte offsets "
-                "to read them at")
+NOT_IN_PLACE = ("decompress it into a .tar (`gunzip -k`, `zstd -d`, `bunzip2 -k`, `unxz -k` "
+                "as it is compressed), then index that: a compressed tar's members have no "
+                "byte offsets to read them at")
 # what a file whose first block is no tar header is, by its first bytes
 _MAGIC = ((b"\x1f\x8b", f"gzip-compressed: {NOT_IN_PLACE}"),
           (b"\x28\xb5\x2f\xfd", f"zstd-compressed: {NOT_IN_PLACE}"),
