@@ -116,6 +116,15 @@ def test_bad_weights_are_refused():
             "go without it: drop it from the list")):
         SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1,
                     names=["shards/images", "s3://b/speech"])
+    # a weight whose share of an epoch rounds to no sample: never drawn, so refused with the
+    # least weight that draws one (0.4 / 39.6 of 40 samples; 1 / 39 of the others' 1)
+    with pytest.raises(OrderError, match=re.escape(
+            "s3://b/speech has weight 0.01, a share of 0.40 of an epoch's 40 samples, which "
+            "rounds to none: it would never be drawn. Give it a weight of at least 0.0257 (one "
+            "sample an epoch), or 0 to leave it out")):
+        SampleOrder([shape(22), shape(18)], 0, 1, weights=[1, 0.01],
+                    names=["shards/images", "s3://b/speech"])
+    assert SampleOrder([shape(22), shape(18)], 0, 1, weights=[1, 0.0257]).quotas == [39, 1]
 
 
 def test_dp_parts_tile_each_global_micro_batch():

@@ -40,6 +40,7 @@ an upgrade.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -139,6 +140,15 @@ class SampleOrder:
                 raise OrderError(f"{name} has weight {(weights or [])[i]} but preprocessing "
                                  "keeps none of its samples: give it weight 0 or fix its "
                                  "data/config")
+            if weights is not None and weights[i] > 0 and count and not quota:
+                least = (sum(weights) - weights[i]) / max(self.epoch_length - 1, 1)
+                step = 10.0 ** (math.floor(math.log10(least)) - 2)    # 3 digits, rounded up
+                raise OrderError(
+                    f"{name} has weight {weights[i]}, a share of "
+                    f"{weights[i] * self.epoch_length / sum(weights):.2f} of an epoch's "
+                    f"{self.epoch_length} samples, which rounds to none: it would never be "
+                    f"drawn. Give it a weight of at least {math.ceil(least / step) * step:.3g} "
+                    "(one sample an epoch), or 0 to leave it out")
             if weights is None and not count and len(kept) > 1:     # a mix trained without it
                 raise OrderError(f"{name}: preprocessing keeps none of its samples "
                                  f"({len(self.datasets[i].kept)} read), so the mix would go "
