@@ -471,7 +471,7 @@ def test_shipped_config_three_step_smoke_run_clamps_the_warmup(path):
 def test_a_clamped_warmup_is_noted_whichever_rank_says_it():
     """The README's Qwen2-VL fine-tune: rank 0 (which prints) holds the frozen tower alone,
     the language model's warmup is clamped: the plan's note says so; the frozen tower has
-    none to note."""
+    none to note. Each warmup is noted once, by the key that sets it."""
     from conftest import REPO
     from mimo_train.plan import resolve
 
@@ -482,6 +482,12 @@ def test_a_clamped_warmup_is_noted_whichever_rank_says_it():
     assert [m.name for m in plan.layout.role(0).modules] == ["image"]
     assert plan.warmup_notes() == [
         "optimizer.modules.language.warmup_steps 5 clamped to 1 for a 2-step run"]
+    # modules with entries of their own that take the shared warmup: one note, of the shared
+    plan = resolve(TrainConfig.load(
+        str(REPO / "configs" / "train" / "images_audio_colocated.yaml"),
+        ["train.steps=2", "optimizer.modules={image: {distributed: false}, "
+         "language: {overlap_grad_reduce: true}}"]))
+    assert plan.warmup_notes() == ["optimizer.warmup_steps 3 clamped to 1 for a 2-step run"]
 
 
 def test_warmup_within_the_run_is_kept(tmp_path):

@@ -459,7 +459,9 @@ class TrainConfig:
         warmup, steps = self.optimizer.of(module or "").warmup_steps, self.train.steps
         if warmup < steps:
             return warmup, None
-        key = f"optimizer.modules.{module}" if module in self.optimizer.modules else "optimizer"
+        own = self.optimizer.modules.get(module or "")
+        key = f"optimizer.modules.{module}" if own and own.warmup_steps is not None \
+            else "optimizer"                    # one note for the modules that share it
         return steps - 1, (f"{key}.warmup_steps {warmup} clamped to {steps - 1} for a "
                            f"{steps}-step run")
 
