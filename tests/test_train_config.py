@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -488,6 +489,18 @@ def test_a_clamped_warmup_is_noted_whichever_rank_says_it():
         ["train.steps=2", "optimizer.modules={image: {distributed: false}, "
          "language: {overlap_grad_reduce: true}}"]))
     assert plan.warmup_notes() == ["optimizer.warmup_steps 3 clamped to 1 for a 2-step run"]
+
+
+def test_lora_on_a_frozen_part_names_the_freeze_entry():
+    """LoRA on a module whose part model.freeze lists: the entry to drop is named as given."""
+    from mimo_train.plan import resolve
+
+    with pytest.raises(TrainConfigError, match=re.escape(
+            "model.lora adapts 'image', which model.freeze freezes ('image.encoder'): LoRA "
+            "already keeps the part's own weights fixed; drop 'image.encoder' from "
+            "model.freeze")):
+        resolve(TrainConfig.load(str(REPO / "configs" / "train" / "qwen2_vl_lora.yaml"),
+                                 ["model.freeze=[image.encoder]"]))
 
 
 def test_warmup_within_the_run_is_kept(tmp_path):

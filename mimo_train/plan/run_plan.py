@@ -211,10 +211,14 @@ def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> Run
     adapted = tuple(Adapted(part, model.lora[part.name])
                     for part in parse_parts(model.lora, layout, "model.lora"))
     for each in adapted:
-        if any(p.covers(each.part.name) or each.part.covers(p.name) for p in frozen):
+        clash = next((p for p in frozen if p.covers(each.part.name) or
+                      each.part.covers(p.name)), None)
+        if clash is not None:
             raise TrainConfigError(
-                f"model.lora adapts {each.part.name!r}, which model.freeze freezes: LoRA "
-                "already keeps the part's own weights fixed; drop it from model.freeze")
+                f"model.lora adapts {each.part.name!r}, which model.freeze freezes" + (
+                    "" if clash.name == each.part.name else f" ({clash.name!r})") +
+                ": LoRA already keeps the part's own weights fixed; drop "
+                f"{clash.name!r} from model.freeze")
     modules = {m.name: ModulePlan(cfg.optimizer.of(m.name), *cfg.warmup_steps(m.name),
                                   language.recompute if m.name == LANGUAGE else
                                   (model.encoders[m.name].recompute
