@@ -546,7 +546,8 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         "name": options.name or storage.name_of(source.root),
         "shard_root": source.root,
         **index_fields(staging, shards, report, (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)),
-        "build": {"command": "index", "inputs": [source.root], **_settings(source, options)},
+        "build": {"command": "index", "inputs": list(source.given or [source.root]),
+                  **_settings(source, options)},
     }
     # the split.yaml's own excludes among the skipped (mimo-inspect report's skipped_records
     # counts them apart, report.json read or not)

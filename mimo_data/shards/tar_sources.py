@@ -10,7 +10,7 @@ import os
 import posixpath
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import braceexpand
 
@@ -59,6 +59,7 @@ class Source:
     detected_from: str = ""         # the tar the layout was detected from (others checked)
     counts: dict[str, int] = field(default_factory=dict)   # samples a tar holds (Energon's)
     counts_file: str = ""                                  # where they were read
+    given: tuple[str, ...] = ()     # the sources as given (a folder, tars, globs, patterns)
 
 
 
@@ -182,7 +183,8 @@ def resolve(sources: list[str], options: IndexOptions,
     if options.markers_first and source.mapping.layout != "conversation":
         raise IndexInputError(f"--markers-first places a conversation's markers, and the "
                               f"layout is {source.mapping.layout}: leave it out")
-    return source
+    return replace(source, given=tuple(
+        s if storage.is_remote(s) else os.path.abspath(s) for s in sources))
 
 
 def _not_found(location: str, what: str, storage_options: dict | None) -> IndexInputError:
@@ -293,7 +295,8 @@ def _resolve(sources: list[str], options: IndexOptions,
                                               "tars (a glob such as 'A/*.tar')")
                     paths += matched
                 elif not storage.exists(path, storage_options):
-                    raise _not_found(path, "no such file", storage_options)
+                    raise _not_found(path, "no such file" + (
+                        f" (of the pattern {given})" if path != given else ""), storage_options)
                 elif _a_folder(path, storage_options):
                     raise IndexInputError(
                         f"{path} is a folder, given with other sources: index one folder at a "
