@@ -4,6 +4,7 @@ it are all written; ``--strict`` stops at the first one and leaves nothing behin
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import struct
@@ -489,6 +490,28 @@ def case_lowered_pixel_limit(tmp_path, assets):
     assert small < large
     return Case(_image_record(assets["jpeg_large"]), "image_too_large",
                 ["--max-image-pixels", str(large - 1)])
+
+
+def case_video_frames_above_the_pixel_limit(tmp_path, assets):
+    # each sampled frame is decoded whole: a clip of frames larger than the limit (which the
+    # good records' photo is within) is refused as an image is
+    import av
+
+    side = math.isqrt(_pixels(assets["jpeg"])) // 2 * 2 + 2          # even, for h264
+    clip = tmp_path / "large.mp4"
+    with av.open(str(clip), "w") as container:
+        stream = container.add_stream("libx264", rate=4)
+        stream.width = stream.height = side
+        stream.pix_fmt = "yuv420p"
+        for _ in range(4):
+            frame = av.VideoFrame.from_ndarray(np.zeros((side, side, 3), np.uint8), "rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    return Case({"id": "bad", "video": str(clip),
+                 "conversations": chat("<video>\nWhat happens?", "A still.")},
+                "video_too_large", ["--max-image-pixels", str(side * side - 1)],
+                f"{side}x{side} = {side * side} pixels a frame is above the limit of "
+                f"{side * side - 1} (raise --max-image-pixels to keep it)")
 
 
 def case_media_path_not_a_string(tmp_path, assets):

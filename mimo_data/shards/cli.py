@@ -102,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                        + (" (interleaved documents)" if role == "texts" else
                           " (caption pairs)" if role == "caption" else ""))
     b.add_argument("--max-image-pixels", type=int,
-                   help="skip images with more pixels (decompression bombs; default: "
-                   "Pillow's limit, 89478485)")
+                   help="skip images, and clips of frames, with more pixels (decompression "
+                   "bombs; default: Pillow's limit, 89478485)")
     b.add_argument("--check", choices=("decode", "header"), default="decode",
                    help="decode: walk all media data (default); header: headers and stream "
                    "completeness only (faster, misses corruption inside the data)")
@@ -143,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode: walk all media data (default); header: headers and stream "
                    "completeness only")
     x.add_argument("--max-image-pixels", type=int,
-                   help="skip images with more pixels (default: Pillow's limit, 89478485)")
+                   help="skip images, and clips of frames, with more pixels (default: "
+                   "Pillow's limit, 89478485)")
     x.add_argument("--markers-first", action="store_true",
                    help="conversations: as build's --markers-first")
     x.add_argument("--keys-per-tar", action="store_true",

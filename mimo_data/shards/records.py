@@ -32,7 +32,7 @@ class RecordError(CountedError):
     def of_media(cls, error: MediaError, where: str) -> RecordError:
         """A media item's check failing at ``where``, with the build option that keeps it."""
         remedy = (" (raise --max-image-pixels to keep it)"
-                  if error.reason == "image_too_large" else "")
+                  if error.reason in ("image_too_large", "video_too_large") else "")
         return cls(error.reason, f"{where}: {error.detail}{remedy}")
 
 

@@ -444,7 +444,7 @@ class Generator:
                                     ) from None
             except MediaError as error:       # the file's data failed a check, as a
                 remedy = (": resize it first"     # dropped clip's; no option raises the limit
-                          if error.reason == "image_too_large" else "")
+                          if error.reason in ("image_too_large", "video_too_large") else "")
                 raise GenerateError(f"--{modality} {path}: {error.detail}{remedy}",
                                     exit_code=1) from None
             seen[modality] += 1

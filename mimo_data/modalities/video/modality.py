@@ -44,7 +44,14 @@ class VideoModality(Modality):
     takes_parts = True
 
     def probe(self, data: bytes, check: str, max_image_pixels: int) -> dict[str, Any]:
-        return probe_video(data, check)
+        """``probe_video``, a frame above ``max_image_pixels`` refused as an image is: each
+        sampled frame is decoded whole before it is resized (GBs a clip, on the tower's rank)."""
+        found = probe_video(data, check)
+        if found["width"] * found["height"] > max_image_pixels:
+            raise MediaError("video_too_large", f"{found['width']}x{found['height']} = "
+                             f"{found['width'] * found['height']} pixels a frame is above the "
+                             f"limit of {max_image_pixels}")
+        return found
 
     def decoded_metadata(self, data: bytes) -> dict[str, Any]:
         return probe_video(data, "decode", max_seconds=math.inf)
