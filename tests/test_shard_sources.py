@@ -294,6 +294,39 @@ def test_parquet_column_flags(capsys, tmp_path, assets):
     assert code == 2 and "no input is one" in err, err
 
 
+def test_a_decoded_audio_column_trains_its_samples_not_its_path(capsys, tmp_path, assets):
+    """A table saved after ``datasets`` decoded (and cut) its audio, ``{array, sampling_rate,
+    path}`` with the path still naming the whole file: the array's samples are stored (a
+    float WAV), not the file; an array without its rate is refused saying what to give."""
+    import io
+
+    import soundfile
+
+    whole, rate = soundfile.read(assets["wav"], dtype="float32")
+    assert whole.ndim == 1 and len(whole) > rate
+    cut = whole[:rate // 2]                             # its first half second, by a map()
+    decoded = pa.struct([("array", pa.list_(pa.float32())), ("sampling_rate", pa.int64()),
+                         ("path", pa.string())])
+    table = pa.table({"id": ["cut", "no-rate"], "sentence": ["half a second", "unknown"],
+                      "audio": pa.array([
+                          {"array": cut.tolist(), "sampling_rate": rate,
+                           "path": str(assets["wav"])},
+                          {"array": cut.tolist(), "sampling_rate": None, "path": "x.wav"}],
+                          decoded)})
+    pq.write_table(table, tmp_path / "decoded.parquet")
+    code, _, err = cli_main(capsys, "build", tmp_path / "decoded.parquet", "-o", tmp_path / "out",
+                            "--no-progress", "--caption-column", "sentence")
+    assert code == 0, err
+    record, members = _samples_by_id(tmp_path / "out")["cut"]
+    [stored] = _media(record, members, "audio")
+    samples, stored_rate = soundfile.read(io.BytesIO(stored), dtype="float32")
+    assert stored_rate == rate and samples.tolist() == cut.tolist()
+    [skip] = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"][
+        "malformed_record"]["first"]
+    assert "a decoded audio array with sampling_rate None: give its rate in Hz beside it" in \
+        skip["detail"], skip
+
+
 def test_a_hub_speech_table_is_told_which_flags_read_it(capsys, tmp_path, assets):
     """A FLEURS-shaped table (``id`` per sentence, shared by its speakers' recordings; the
     audio as ``{bytes, path}``; ``transcription``): without flags the build names

@@ -8,9 +8,13 @@ needs, so the main process only assigns keys and writes.
 from __future__ import annotations
 
 import base64
+import io
 import os
 import urllib.parse
 from dataclasses import dataclass, field
+
+import numpy as np
+import soundfile
 
 from mimo_data.files import not_found
 from mimo_data.modalities import MODALITIES, MediaError
@@ -87,13 +91,39 @@ def _base64(text: str, what: str) -> bytes:
         raise RecordError("malformed_record", f"{what} is not valid base64") from None
 
 
+def _wav_of(ref: dict) -> bytes:
+    """A clip given decoded (Hugging Face datasets' ``Audio()`` feature: ``{array,
+    sampling_rate, path}``) as float WAV bytes of those samples, not of the file its ``path``
+    names, which a ``map`` that cut or edited the array no longer is (soundfile writes it:
+    the audio modality reads WAV)."""
+    rate = ref.get("sampling_rate")
+    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate <= 0:
+        raise RecordError("malformed_record", f"a decoded audio array with sampling_rate "
+                          f"{rate!r}: give its rate in Hz beside it, or the file's bytes "
+                          "({bytes, path}: datasets' Audio(decode=False))")
+    try:
+        samples = np.asarray(ref["array"], dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise RecordError("malformed_record", f"a decoded audio array that is no list of "
+                          f"numbers ({exc})") from None
+    if samples.ndim != 1:
+        raise RecordError("malformed_record", f"a decoded audio array of shape "
+                          f"{samples.shape}: give one channel's samples, or the file's bytes")
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, int(rate), format="WAV", subtype="FLOAT")
+    return buffer.getvalue()
+
+
 def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bool = False
                 ) -> tuple[bytes, str | None, str | None, bool]:
     """Bytes, original path (a frame list's: ``_frames_path``) and resolved file (None for
-    embedded bytes and a clip made of frames) of a media reference (a path, bytes or
-    ``{bytes, path}``; a ``video``'s also a list of its frame files), and whether it named
-    frames made one clip (a folder or a list of them, with ``frames_fps``)."""
+    embedded bytes and a clip made of frames) of a media reference (a path, bytes,
+    ``{bytes, path}`` or a decoded clip's ``{array, sampling_rate}``; a ``video``'s also a
+    list of its frame files), and whether it named frames made one clip (a folder or a list
+    of them, with ``frames_fps``)."""
     path, empty = None, ""
+    if isinstance(ref, dict) and ref.get("array") is not None:
+        return _wav_of(ref), ref.get("path"), None, False
     if isinstance(ref, dict):
         if isinstance(ref.get("bytes"), str) and ref["bytes"]:    # JSON holds bytes as base64
             text = ref["bytes"]
