@@ -619,6 +619,26 @@ def test_clips_cut_by_long_audio_truncate_are_counted(capsys, tmp_path, clean, c
                 "dropped") in out
 
 
+def test_a_dataset_built_with_header_checks_is_said_undecoded(capsys, tmp_path, assets,
+                                                              configs):
+    """``--check header`` decodes no medium: the report says so and names verify (a clip that
+    does not decode stops training at its load, which no check here sees); a default build
+    is not said so."""
+    records = write_jsonl(tmp_path / "one.jsonl", [{
+        "id": "one", "image": str(assets["jpeg"]),
+        "conversations": [{"from": "human", "value": "<image>\nWhat is it?"},
+                          {"from": "gpt", "value": "A photo."}]}])
+    for check in ("header", "decode"):
+        build_dataset([records], tmp_path / check, check=check)
+        code, out, err = run(capsys, "report", tmp_path / check, "--config", configs["default"],
+                             "--no-progress")
+        assert code == 0, err
+        said = (f"media       built with --check header: no image or clip was decoded, and one "
+                "that does not decode stops training when it is loaded; `mimo-shard verify "
+                f"{tmp_path / check}` decodes every one")
+        assert (said in out) == (check == "header"), out
+
+
 def test_workers_give_the_same_report(capsys, tmp_path, faulty, configs):
     directory, _ = faulty
     _, one, _ = report_json(capsys, tmp_path, directory, configs["default"])

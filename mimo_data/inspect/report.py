@@ -542,7 +542,11 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
         report_dict["modalities"]["audio"]["cut"] = cut
     seconds = time.perf_counter() - start
     report = {"dataset": directory, "total_samples": len(reader), "limit": limit,
-              "workers": workers, **report_dict, "seconds": seconds,
+              "workers": workers,
+              # how the build checked the media (``--check``): headers only leaves a clip that
+              # does not decode to stop training when it is loaded
+              "media_check": reader.index.get("build", {}).get("check", "decode"),
+              **report_dict, "seconds": seconds,
               "samples_per_second": builder.seen / seconds if seconds else None,
               "tables": {"token_table": tokens_path, "flags": flags_path, "reused": reused}}
     backend = inspector.text.backend
@@ -641,6 +645,10 @@ def format_report(report: dict) -> str:
     lines = [
         f"dataset     {report['dataset']}: {report['samples']} of {report['total_samples']} "
         f"samples inspected, seq_length {report['seq_length']}, {report['length_policy']}",
+        *([f"media       built with --check header: no image or clip was decoded, and one "
+           "that does not decode stops training when it is loaded; `mimo-shard verify "
+           f"{report['dataset']}` decodes every one"]
+          if report.get("media_check") == "header" else []),
         f"samples     {report['kept']} kept, {report['dropped']} dropped"
         + (" (" + ", ".join(f"{r} {d['count']}" for r, d in report["drop_reasons"].items()) + ")"
            if report["drop_reasons"] else ""),
