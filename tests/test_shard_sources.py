@@ -473,7 +473,8 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
     """A ``duration`` off the file's by more than max(0.1 s, 2 %) is a segment of the file:
     refused by line (mimo does not cut segments). A WAV cut short is refused before its
     duration is compared (its data chunk states more than follow). A manifest named ``.json``
-    (NeMo's recipes) is still JSONL; a malformed first line does not make the rest LLaVA."""
+    (NeMo's recipes) is still JSONL; a malformed first line does not make the rest LLaVA. An
+    empty file given a duration of 0 is ``empty_audio``, naming the file."""
     line = _manifest_lines(corpus)[0]
     clip, seconds = str(corpus / line["audio_filepath"]), line["duration"]
     assert clip.endswith(".wav") and seconds > 5
@@ -487,7 +488,10 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
         {"id": "truncated", "audio_filepath": "cut.wav", "duration": seconds, "text": "whole"},
         {"id": "text-duration", "audio_filepath": clip, "duration": "7.1", "text": "bad"},
         {"id": "pred", "audio_filepath": clip, "duration": seconds, "pred_text": "asr's"},
+        # an empty file, whose length manifest writers give as 0: said by its probe
+        {"id": "empty", "audio_filepath": "empty.wav", "duration": 0.0, "text": "none"},
     ]
+    (tmp_path / "empty.wav").write_bytes(b"")
     # a .json manifest is known as JSONL by its first line: only a .jsonl may start broken
     broken = [b'{"audio_filepath": "x.wav", "text": "cut'] if name.endswith(".jsonl") else []
     path = write_jsonl(tmp_path / name, broken + records)
@@ -507,7 +511,10 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
     assert "cut each segment into a file of its own" in segment[1]
     assert "its data chunk states" in truncated[1] and "a shorter clip" in truncated[1]
     [(location, detail), (pred, named)] = skipped.pop("malformed_record")
-    assert location == f"{path}:{first + 5}" and "'duration' is '7.1'" in detail
+    assert location == f"{path}:{first + 5}" and f"'duration' of {clip} is '7.1'" in detail
+    [(location, detail)] = skipped.pop("empty_audio")
+    assert location == f"{path}:{first + 7}" and \
+        detail == "audio 0 (empty.wav): empty audio file (0 bytes)", detail
     assert pred == f"{path}:{first + 6}" and "this one has {'id': 'str', 'audio_filepath': " \
         "'str', 'duration': 'float', 'pred_text': 'str'}, no string 'text' (under another " \
         "key? rename it)" in named, named

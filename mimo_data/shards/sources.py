@@ -428,12 +428,13 @@ class SpeechManifest:
         if record.get("offset"):
             raise RecordError("malformed_record", "segments with a non-zero 'offset' are not "
                               "supported; cut the clip into its own file first")
+        # 0 (what manifest writers give an empty file): the file's probe says what it holds
         duration = record.get("duration")
         if duration is not None and not (isinstance(duration, (int, float)) and
                                          not isinstance(duration, bool) and
-                                         math.isfinite(duration) and duration > 0):
-            raise RecordError("malformed_record", f"'duration' is {duration!r}: give the clip's "
-                              "length in seconds, or leave the field out")
+                                         math.isfinite(duration) and duration >= 0):
+            raise RecordError("malformed_record", f"'duration' of {audio} is {duration!r}: give "
+                              "the clip's length in seconds, or leave the field out")
         turns = [{"role": "user", "content": f"<audio>\n{self.instruction}"},
                  {"role": "assistant", "content": text}]
         return RawRecord(id=_record_id(record.get("id")), turns=turns, media={"audio": [audio]},
