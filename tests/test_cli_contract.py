@@ -140,6 +140,14 @@ def test_usage_errors_exit_2(capsys, tmp_path, cli):
         assert code == 2 and "a sample is chosen with --key KEY or --index N" in err, err
         code, err = _main(module, capsys, "report", "a", "--config", config, "--jsn", "x")
         assert code == 2 and "unrecognized arguments: --jsn x" in err, err
+        # the subcommand's usage; a launch gate's thresholds by their exact names only
+        assert "usage: mimo-inspect report " in err, err
+        code, err = _main(module, capsys, "report", "a", "--config", config, "--max-drop", "1")
+        assert code == 2 and "unrecognized arguments: --max-drop 1" in err, err
+        code, err = _main(module, capsys, "report", "a", "--config", config,
+                          "--max-dropped-fraction", "abc")
+        assert code == 2 and "argument --max-dropped-fraction: invalid fraction value: " \
+            "'abc'" in err, err
 
 
 def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):

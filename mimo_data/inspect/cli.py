@@ -57,6 +57,9 @@ def _count(text: str) -> int:
     return value
 
 
+_fraction.__name__, _count.__name__ = "fraction", "count"    # argparse's "invalid fraction value"
+
+
 def _positive(kind):
     """An argparse type: a number of ``kind`` > 0."""
     def parse(text: str):
@@ -215,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--workers", type=_positive(int), default=4, metavar="N",
                    help="threads hashing files (default 4)")
     c.add_argument("--json", action="store_true", help="print the verdicts as JSON")
+    for each in (s, r, p, c):
+        each.allow_abbrev = False       # a launch gate takes its options' exact names
+        each.set_defaults(subcommand=each)  # its own usage for an unknown option
     return parser
 
 
@@ -601,7 +607,7 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
                       "; a sample is chosen with --key KEY or --index N"
                       if args.command == "sample" else ""), file=sys.stderr)
             return 2
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.subcommand.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "checkpoint":          # a training run's: no dataset, no config
         return checkpoint(args) if checkpoint else _needs_trainer("checking checkpoints "
                                                                   "needs", "checkpoint")
