@@ -297,34 +297,57 @@ def test_parquet_column_flags(capsys, tmp_path, assets):
 def test_a_decoded_audio_column_trains_its_samples_not_its_path(capsys, tmp_path, assets):
     """A table saved after ``datasets`` decoded (and cut) its audio, ``{array, sampling_rate,
     path}`` with the path still naming the whole file: the array's samples are stored (a
-    float WAV), not the file; an array without its rate is refused saying what to give."""
+    float WAV), not the file; channels first (``mono=False``) are channels; what would be
+    guessed at (no rate, integers, samples far outside [-1, 1], NaN) is refused saying what
+    to give."""
     import io
 
+    import numpy as np
     import soundfile
 
     whole, rate = soundfile.read(assets["wav"], dtype="float32")
     assert whole.ndim == 1 and len(whole) > rate
     cut = whole[:rate // 2]                             # its first half second, by a map()
-    decoded = pa.struct([("array", pa.list_(pa.float32())), ("sampling_rate", pa.int64()),
-                         ("path", pa.string())])
-    table = pa.table({"id": ["cut", "no-rate"], "sentence": ["half a second", "unknown"],
-                      "audio": pa.array([
-                          {"array": cut.tolist(), "sampling_rate": rate,
-                           "path": str(assets["wav"])},
-                          {"array": cut.tolist(), "sampling_rate": None, "path": "x.wav"}],
-                          decoded)})
-    pq.write_table(table, tmp_path / "decoded.parquet")
-    code, _, err = cli_main(capsys, "build", tmp_path / "decoded.parquet", "-o", tmp_path / "out",
-                            "--no-progress", "--caption-column", "sentence")
+    stereo = np.stack([cut, -cut])
+
+    def table(rows, array_type):
+        decoded = pa.struct([("array", array_type), ("sampling_rate", pa.float64()),
+                             ("path", pa.string())])
+        return pa.table({"id": [r[0] for r in rows], "sentence": ["words"] * len(rows),
+                         "audio": pa.array([{"array": r[1], "sampling_rate": r[2],
+                                             "path": str(assets["wav"])} for r in rows],
+                                           decoded)})
+    tables = {
+        "floats": table([("cut", cut.tolist(), float(rate)), ("no-rate", cut.tolist(), None),
+                         ("nan", [float("nan")] * 100, float(rate)),
+                         ("int-scaled", (cut * 32768).tolist(), float(rate))],
+                        pa.list_(pa.float32())),
+        "ints": table([("ints", (cut * 32768).astype(int).tolist(), float(rate))],
+                      pa.list_(pa.int64())),
+        "stereo": table([("stereo", stereo.tolist(), float(rate))],
+                        pa.list_(pa.list_(pa.float32())))}
+    for name, data in tables.items():
+        pq.write_table(data, tmp_path / f"{name}.parquet")
+    code, _, err = cli_main(capsys, "build", *(tmp_path / f"{n}.parquet" for n in tables),
+                            "-o", tmp_path / "out", "--no-progress", "--caption-column",
+                            "sentence")
     assert code == 0, err
-    record, members = _samples_by_id(tmp_path / "out")["cut"]
-    [stored] = _media(record, members, "audio")
-    samples, stored_rate = soundfile.read(io.BytesIO(stored), dtype="float32")
-    assert stored_rate == rate and samples.tolist() == cut.tolist()
-    [skip] = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"][
-        "malformed_record"]["first"]
+    written = _samples_by_id(tmp_path / "out")
+    assert sorted(written) == ["cut", "stereo"]
+    for key, expected in (("cut", cut[:, None]), ("stereo", stereo.T)):
+        [stored] = _media(*written[key], "audio")
+        samples, stored_rate = soundfile.read(io.BytesIO(stored), dtype="float32",
+                                              always_2d=True)
+        assert stored_rate == rate and samples.tolist() == expected.tolist(), key
+    skipped = {entry["location"].rsplit("/", 1)[-1]: entry["detail"] for entry in read_json(
+        tmp_path / "out" / "report.json")["skipped_by_reason"]["malformed_record"]["first"]}
     assert "a decoded audio array with sampling_rate None: give its rate in Hz beside it" in \
-        skip["detail"], skip
+        skipped["floats.parquet#1"], skipped
+    assert "a decoded audio array whose samples reach nan: give float samples in [-1, 1]" in \
+        skipped["floats.parquet#2"], skipped
+    assert "a decoded audio array whose samples reach " in skipped["floats.parquet#3"], skipped
+    assert "a decoded audio array of integers: give float samples in [-1, 1] (16-bit PCM " \
+        "divided by 32768)" in skipped["ints.parquet#0"], skipped
 
 
 def test_a_hub_speech_table_is_told_which_flags_read_it(capsys, tmp_path, assets):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import os
 import urllib.parse
 from dataclasses import dataclass, field
@@ -95,34 +96,56 @@ def _wav_of(ref: dict) -> bytes:
     """A clip given decoded (Hugging Face datasets' ``Audio()`` feature: ``{array,
     sampling_rate, path}``) as float WAV bytes of those samples, not of the file its ``path``
     names, which a ``map`` that cut or edited the array no longer is (soundfile writes it:
-    the audio modality reads WAV)."""
+    the audio modality reads WAV). Float samples in [-1, 1] as ``datasets`` decodes them, one
+    channel or several (channels first, as ``mono=False`` gives them, or last); anything else
+    is refused rather than guessed at."""
     rate = ref.get("sampling_rate")
-    if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate <= 0:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float, np.number)) or \
+            not math.isfinite(rate) or rate <= 0 or not float(rate).is_integer():
         raise RecordError("malformed_record", f"a decoded audio array with sampling_rate "
                           f"{rate!r}: give its rate in Hz beside it, or the file's bytes "
                           "({bytes, path}: datasets' Audio(decode=False))")
     try:
-        samples = np.asarray(ref["array"], dtype=np.float32)
+        samples = np.asarray(ref["array"])
+        if samples.dtype.kind not in "fiu":
+            raise ValueError(f"{samples.dtype} values")
     except (TypeError, ValueError) as exc:
-        raise RecordError("malformed_record", f"a decoded audio array that is no list of "
+        raise RecordError("malformed_record", f"a decoded audio array that is no array of "
                           f"numbers ({exc})") from None
-    if samples.ndim != 1:
+    if samples.dtype.kind in "iu":
+        raise RecordError("malformed_record", "a decoded audio array of integers: give float "
+                          "samples in [-1, 1] (16-bit PCM divided by 32768), or the file's "
+                          "bytes")
+    if samples.ndim == 2 and samples.shape[0] < samples.shape[1]:
+        samples = samples.T                 # channels first (datasets' mono=False): frames
+    if samples.ndim not in (1, 2) or (samples.ndim == 2 and samples.shape[1] > 8):
         raise RecordError("malformed_record", f"a decoded audio array of shape "
-                          f"{samples.shape}: give one channel's samples, or the file's bytes")
+                          f"{samples.shape}: give its samples, one row per channel, or the "
+                          "file's bytes")
+    peak = float(np.abs(samples).max()) if samples.size else 0.0
+    if not math.isfinite(peak) or peak > 2.0:
+        raise RecordError("malformed_record", f"a decoded audio array whose samples reach "
+                          f"{peak:g}: give float samples in [-1, 1] as datasets decodes them, "
+                          "or the file's bytes")
     buffer = io.BytesIO()
-    soundfile.write(buffer, samples, int(rate), format="WAV", subtype="FLOAT")
+    soundfile.write(buffer, samples.astype(np.float32), int(rate), format="WAV",
+                    subtype="FLOAT")
     return buffer.getvalue()
 
 
-def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bool = False
-                ) -> tuple[bytes, str | None, str | None, bool]:
+def _read_media(ref, media_root: str, frames_fps: float | None = None,
+                modality: str = "image") -> tuple[bytes, str | None, str | None, bool]:
     """Bytes, original path (a frame list's: ``_frames_path``) and resolved file (None for
     embedded bytes and a clip made of frames) of a media reference (a path, bytes,
-    ``{bytes, path}`` or a decoded clip's ``{array, sampling_rate}``; a ``video``'s also a
+    ``{bytes, path}`` or a decoded clip's ``{array, sampling_rate}``; a video's also a
     list of its frame files), and whether it named frames made one clip (a folder or a list
     of them, with ``frames_fps``)."""
-    path, empty = None, ""
+    path, empty, video = None, "", modality == "video"
     if isinstance(ref, dict) and ref.get("array") is not None:
+        if modality != "audio":
+            raise RecordError("malformed_record", f"a decoded {modality} array: mimo reads "
+                              f"the {modality}'s file; give its bytes ({{bytes, path}}) or "
+                              "its path")
         return _wav_of(ref), ref.get("path"), None, False
     if isinstance(ref, dict):
         if isinstance(ref.get("bytes"), str) and ref["bytes"]:    # JSON holds bytes as base64
@@ -273,7 +296,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             seen[modality] += 1
             data, path, file, from_frames = _read_media(
                 refs[modality][index], source.media_root,
-                policy.frames_fps if modality == "video" else None, modality == "video")
+                policy.frames_fps if modality == "video" else None, modality)
             if from_frames:
                 counts[VIDEOS_FROM_FRAMES] = counts.get(VIDEOS_FROM_FRAMES, 0) + 1
             try:
