@@ -701,9 +701,28 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
         "with any settings" in out
     code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4,
                          "--gpu-memory-gib", (peaks[0] / 2 + 1) / 0.9, main=main)
-    assert code == 1 and "no layout fits: more GPUs, a GPU with more memory, or a smaller " \
-        "micro batch\nclosest to fitting: the least memory per rank of the tries that do not " \
-        "fit\n" in out, out
+    assert code == 1 and "no layout fits: more GPUs, a GPU with more memory, a smaller micro " \
+        "batch, or train less of the model (LoRA, frozen parts: model.lora, model.freeze in a " \
+        "training YAML given as --model)\nclosest to fitting: the least memory per rank of " \
+        "the tries that do not fit\n" in out, out
+    # each closest try with its memory's parts (of its fullest module's rank)
+    assert re.search(r"\n  \S+ \([^)]*\): [0-9.]+ GiB per rank > [0-9.]+ \((language|image)"
+                     r"\S*: weights [0-9.]+, grads [0-9.]+, optimizer [0-9.]+, activations "
+                     r"[0-9.]+, temporary [0-9.]+\)\n", out), out
+    # less memory than the model's own state (weights, gradients, optimizer) on any rank:
+    # no batch or sample size helps, and the line says so instead of suggesting them
+    code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--json",
+                         "--gpu-memory-gib", (0.001 + 1) / 0.9, main=main)
+    closest = json.loads(out)["dropped"][0]["memory_gib"]
+    state = max(m["weights"] + m["gradients"] + m["optimizer"] + m["adapters"]
+                for m in closest.values() if m["total"] == max(
+                    n["total"] for n in closest.values()))
+    code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4,
+                         "--gpu-memory-gib", (0.001 + 1) / 0.9, main=main)
+    assert code == 1 and "no layout fits: the model's own state passes a GPU's memory on the " \
+        f"closest (its language+image rank: weights, gradients and optimizer state {state:.1f} " \
+        "GiB > 0.0 usable), whatever the batch or the samples: more GPUs" in out, out
+    assert "a smaller micro batch" not in out
 
 
 def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):

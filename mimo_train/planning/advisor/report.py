@@ -169,17 +169,49 @@ def format_report(report: dict) -> str:
                                                      for o in best["overrides"])
         lines.append("train the first with: " + _launch(best["ranks"], g["per_node"], arguments))
     else:
-        fewer = ("a smaller micro batch" if w["micro_batch_size"] > 1 else
-                 "shorter samples (fewer tokens each: the media's max_pixels, a video's fps, "
-                 "seq_length)")
-        lines.append(f"no layout fits: more GPUs, a GPU with more memory, or {fewer}")
+        lines.append(_nothing_fits(report))
     if report["dropped"]:
         lines.append("closest to fitting: the least memory per rank of the tries that do not "
                      "fit" + ("; those ranked above fit" if report["ranked"] else ""))
         for r in report["dropped"]:
+            name, m = _fullest(r)
             lines.append(f"  {r['layout']} ({_settings_text(r['settings'])}): "
-                         f"{r['peak_memory_gib']:.1f} GiB per rank > {g['usable_gib']:.1f}")
+                         f"{r['peak_memory_gib']:.1f} GiB per rank > {g['usable_gib']:.1f} "
+                         f"({name}: weights {m['weights']:.1f}, grads {m['gradients']:.1f}, "
+                         f"optimizer {m['optimizer']:.1f}, "
+                         + (f"LoRA adapters {m['adapters']:.1f}, " if m["adapters"] else "") +
+                         f"activations {m['activations']:.1f}, temporary "
+                         f"{m['temporary']:.1f})")
     return "\n".join(lines)
+
+
+def _fullest(r: dict) -> tuple[str, dict[str, float]]:
+    """The module of result ``r`` (JSON) whose rank holds the most, and its memory in GiB."""
+    return max(r["memory_gib"].items(), key=lambda item: item[1]["total"])
+
+
+LESS_TRAINED = ("train less of the model (LoRA, frozen parts: model.lora, model.freeze in a "
+                "training YAML given as --model)")
+
+
+def _nothing_fits(report: dict) -> str:
+    """What to change where no layout fits: where the closest try's model state alone
+    (weights, gradients, optimizer state) passes a GPU's usable memory, no batch or sample
+    size can help, and the line says so."""
+    usable, w = report["gpu"]["usable_gib"], report["workload"]
+    if report["dropped"]:
+        name, m = _fullest(report["dropped"][0])
+        state = m["weights"] + m["gradients"] + m["optimizer"] + m["adapters"]
+        if state > usable:
+            return (f"no layout fits: the model's own state passes a GPU's memory on the "
+                    f"closest (its {name} rank: weights, gradients and optimizer state "
+                    f"{state:.1f} GiB > {usable:.1f} usable), whatever the batch or the "
+                    "samples: more GPUs (the distributed optimizer shards the optimizer state "
+                    f"over dp), a GPU with more memory, or {LESS_TRAINED}")
+    fewer = ("a smaller micro batch" if w["micro_batch_size"] > 1 else
+             "shorter samples (fewer tokens each: the media's max_pixels, a video's fps, "
+             "seq_length)")
+    return f"no layout fits: more GPUs, a GPU with more memory, {fewer}, or {LESS_TRAINED}"
 
 
 def _clip_text(clip: dict) -> str:
