@@ -513,6 +513,7 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
         {"id": "pred", "audio_filepath": clip, "duration": seconds, "pred_text": "asr's"},
         # an empty file, whose length manifest writers give as 0: said by its probe
         {"id": "empty", "audio_filepath": "empty.wav", "duration": 0.0, "text": "none"},
+        {"id": "zero", "audio_filepath": clip, "duration": 0, "text": "unknown length"},
     ]
     (tmp_path / "empty.wav").write_bytes(b"")
     # a .json manifest is known as JSONL by its first line: only a .jsonl may start broken
@@ -527,7 +528,9 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
     skipped = {reason: [(f["location"], f["detail"]) for f in entry["first"]]
                for reason, entry in report["skipped_by_reason"].items()}
     first = len(broken) + 1   # the line of records[0]
-    [segment] = skipped.pop("duration_mismatch")
+    [segment, zero] = skipped.pop("duration_mismatch")
+    assert zero == (f"{path}:{first + 8}", f"audio 0 ({clip}): the manifest's 'duration' is 0 "
+                    f"but the file holds {seconds:g} s: give its length, or leave the field out")
     [truncated] = skipped.pop("corrupt_audio")
     assert (segment[0], truncated[0]) == (f"{path}:{first + 3}", f"{path}:{first + 4}")
     assert f"'duration' is 2 s but the file holds {seconds:g} s" in segment[1]

@@ -244,6 +244,10 @@ def check_audio_duration(declared: float, probed: float, where: str) -> None:
     """RecordError ``duration_mismatch`` when a manifest's ``declared`` duration and the
     ``probed`` file's differ by more than max(0.1 s, 2 % of the file's)."""
     tolerance = max(DURATION_TOLERANCE_S, DURATION_TOLERANCE_FRACTION * probed)
+    if declared == 0 and probed > tolerance:     # a writer's "unknown", not a segment
+        raise RecordError("duration_mismatch", f"{where}: the manifest's 'duration' is 0 but "
+                          f"the file holds {probed:g} s: give its length, or leave the field "
+                          "out")
     if abs(declared - probed) > tolerance:
         raise RecordError("duration_mismatch", f"{where}: the manifest's 'duration' is "
                           f"{declared:g} s but the file holds {probed:g} s (tolerance "
