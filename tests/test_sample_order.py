@@ -125,6 +125,15 @@ def test_bad_weights_are_refused():
         SampleOrder([shape(22), shape(18)], 0, 1, weights=[1, 0.01],
                     names=["shards/images", "s3://b/speech"])
     assert SampleOrder([shape(22), shape(18)], 0, 1, weights=[1, 0.0257]).quotas == [39, 1]
+    # several: said at once, with the weight that draws each when all take it
+    with pytest.raises(OrderError, match=re.escape(
+            "dataset 1 has weight 0.001, a share of 0.15; dataset 2 has weight 0.001, a share "
+            "of 0.15 of an epoch's 150 samples, which round to none: they would never be "
+            "drawn. Give each a weight of at least 0.00676 (one sample an epoch), or 0 to "
+            "leave them out")):
+        SampleOrder([shape(100), shape(25), shape(25)], 0, 1, weights=[1, 0.001, 0.001])
+    assert SampleOrder([shape(100), shape(25), shape(25)], 0, 1,
+                       weights=[1, 0.00676, 0.00676]).quotas == [148, 1, 1]
 
 
 def test_dp_parts_tile_each_global_micro_batch():

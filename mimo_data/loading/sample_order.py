@@ -134,6 +134,7 @@ class SampleOrder:
         kept = [d.kept_count for d in self.datasets]
         self.epoch_length = sum(kept)
         self.quotas = kept if weights is None else _quotas(weights, kept)
+        unseen = []                     # weighted datasets whose share rounds to no sample
         for i, (count, quota) in enumerate(zip(kept, self.quotas)):
             name = names[i] if names else f"dataset {i}"
             if quota and not count:
@@ -141,19 +142,14 @@ class SampleOrder:
                                  "keeps none of its samples: give it weight 0 or fix its "
                                  "data/config")
             if weights is not None and weights[i] > 0 and count and not quota:
-                least = (sum(weights) - weights[i]) / max(self.epoch_length - 1, 1)
-                step = 10.0 ** (math.floor(math.log10(least)) - 2)    # 3 digits, rounded up
-                raise OrderError(
-                    f"{name} has weight {weights[i]}, a share of "
-                    f"{weights[i] * self.epoch_length / sum(weights):.2f} of an epoch's "
-                    f"{self.epoch_length} samples, which rounds to none: it would never be "
-                    f"drawn. Give it a weight of at least {math.ceil(least / step) * step:.3g} "
-                    "(one sample an epoch), or 0 to leave it out")
+                unseen.append(i)
             if weights is None and not count and len(kept) > 1:     # a mix trained without it
                 raise OrderError(f"{name}: preprocessing keeps none of its samples "
                                  f"({len(self.datasets[i].kept)} read), so the mix would go "
                                  "without it: drop it from the list or fix its data/config "
                                  "(mimo-inspect report says why each was dropped)")
+        if unseen:
+            raise OrderError(_never_drawn(unseen, weights or [], self.epoch_length, names))
         if remainder == "drop":
             self.steps_per_epoch = self.epoch_length // global_batch_size
         else:
@@ -231,6 +227,24 @@ class SampleOrder:
 def _unit(*tags: int) -> float:
     """A seeded number in [0, 1)."""
     return float(hash_keys(np.zeros(1), *tags)[0] >> np.uint64(11)) / float(1 << 53)
+
+
+def _never_drawn(unseen: list[int], weights: list[float], length: int,
+                 names: Sequence[str]) -> str:
+    """The refusal of the datasets ``unseen`` whose weights' shares of an epoch of ``length``
+    samples round to none, with the least weight that draws one sample of each when all of
+    them take it (rounded up to 3 digits)."""
+    rest = sum(weights) - sum(weights[i] for i in unseen)
+    least = rest / max(length - len(unseen), 1)
+    step = 10.0 ** (math.floor(math.log10(least)) - 2)
+    shares = "; ".join(f"{names[i] if names else f'dataset {i}'} has weight {weights[i]}, a "
+                       f"share of {weights[i] * length / sum(weights):.2f}" for i in unseen)
+    one = len(unseen) == 1
+    return (f"{shares} of an epoch's {length} samples, which round{'s' if one else ''} to "
+            f"none: {'it' if one else 'they'} would never be drawn. Give "
+            f"{'it' if one else 'each'} a weight of at least "
+            f"{math.ceil(least / step) * step:.3g} (one sample an epoch), or 0 to leave "
+            f"{'it' if one else 'them'} out")
 
 
 def _quotas(weights: list[float], kept: list[int]) -> list[int]:
