@@ -126,8 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     s = commands.add_parser("sample", help="one sample's tokens by class, counts and media")
     _common(s)
     which = s.add_mutually_exclusive_group()
-    which.add_argument("--key", help="sample key (000000042, or 42), or the record id the "
-                       "build kept")
+    which.add_argument("--key", help="sample key (000000042, or 42; TAR/KEY, or KEY where one "
+                       "tar has it, in an index of --keys-per-tar), or the record id the build "
+                       "kept")
     which.add_argument("--index", type=int, help="position in the dataset (default 0)")
     which.add_argument("--random", type=_positive(int), metavar="N",
                        help="N samples picked at random")
@@ -282,8 +283,9 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
 
 def _position_of(reader, key: str) -> int | None:
     """The position of the sample ``--key`` names: its key, the key ``key`` zero-padded
-    (``42`` for ``000000042``), or the record id the build kept (read from samples.parquet's
-    ``id`` column, where one sample has it)."""
+    (``42`` for ``000000042``), in an index of ``--keys-per-tar`` the one tar's ``TAR/KEY``
+    that ends so, or the record id the build kept (read from samples.parquet's ``id``
+    column, where one sample has it)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -292,6 +294,9 @@ def _position_of(reader, key: str) -> int | None:
     found = table.position(key)
     if found is None and key.isdigit() and len(table) and len(key) < len(table.key(0)):
         found = table.position(key.zfill(len(table.key(0))))
+    if found is None and reader.index.get("build", {}).get("keys_per_tar"):
+        matches = pc.indices_nonzero(pc.ends_with(table.keys, f"/{key}")).to_pylist()
+        found = matches[0] if len(matches) == 1 else None
     if found is None:
         ids = read_samples(reader.directory, lambda path: pq.read_table(
             path, columns=["id"])).column("id")
