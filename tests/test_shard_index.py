@@ -651,6 +651,18 @@ def test_a_split_yaml_energon_would_not_read_is_refused(tmp_path, split, why):
         energon.train_split(str(tmp_path))
 
 
+def test_another_yaml_error_beside_a_mapping_in_a_list_says_nothing_of_braces(tmp_path):
+    from mimo_data.shards import energon
+    from mimo_data.shards.sources import SourceError
+
+    (tmp_path / ".nv-meta").mkdir()
+    (tmp_path / ".nv-meta" / "split.yaml").write_text(
+        "split_parts:\n  train: [{name: a}]\n  val: ['b\n")
+    with pytest.raises(SourceError, match="found unexpected end of stream") as refused:
+        energon.train_split(str(tmp_path))
+    assert "brace pattern" not in str(refused.value), refused.value
+
+
 def test_a_field_map_naming_no_single_member_is_refused(tmp_path):
     """energon maps a field to one member name (alternatives comma-separated in it): a list
     is refused up front, not met by every worker."""

@@ -44,7 +44,10 @@ def _yaml(root: str, name: str, storage_options: dict | None) -> dict:
         loaded = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         # [parts/data-{0..9}.tar] unquoted: YAML reads the braces as a mapping inside the list
-        braces = re.search(rb"\[[^\]\n\"']*\{", text) is not None
+        # (on the lines where the parser stopped, or the one before)
+        mark = getattr(exc, "problem_mark", None)
+        lines = text.splitlines()[max(mark.line - 1, 0):mark.line + 1] if mark else []
+        braces = any(re.search(rb"\[[^\]\"']*\{", line) for line in lines)
         raise SourceError(f"{location}: not YAML ({exc})" + (
             "; a brace pattern inside [ ] must be quoted: [\"parts/data-{0..9}.tar\"]"
             if braces else "")) from None
