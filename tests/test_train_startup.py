@@ -194,6 +194,10 @@ CASES = [
      ["checkpoint.dir={tmp}/taken"], "config",
      ["rank(s) [0]: CheckpointError: checkpoint.dir {tmp}/taken is being written by another "
       "run (process ", "give this run another checkpoint.dir"]),
+    ("resuming steps without latest", "default",
+     ["checkpoint.dir={tmp}/earlier"], "config",
+     ["rank(s) [0]: CheckpointError: checkpoint.dir {tmp}/earlier holds step_0000002 but no "
+      "'latest' file"]),
     ("starting over among an earlier run's checkpoints", "default",
      ["checkpoint.dir={tmp}/earlier", "checkpoint.resume=false"], "config",
      ["rank(s) [0]: CheckpointError: checkpoint.dir {tmp}/earlier holds an earlier run's "

@@ -91,9 +91,12 @@ class TrainingState:
 
 def check_folder(root: str, resume: bool) -> None:
     """Rank 0, before the model is built: ``CheckpointError`` where ``root`` cannot be this
-    run's ``checkpoint.dir`` (nothing written). ``prepare`` asks again as it claims it."""
+    run's ``checkpoint.dir`` or holds nothing a resume can take (nothing written).
+    ``prepare`` asks again as it claims it."""
     _check_kind(root)
     _check_free(root, resume)
+    if resume:
+        resume_point(root)
 
 
 def _check_kind(root: str) -> None:
