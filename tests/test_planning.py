@@ -505,6 +505,12 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
         assert cfg.optimizer.distributed == r["settings"]["distributed_optimizer"]
         assert cfg.model.language.recompute == r["settings"]["recompute"]
         assert not any(o.startswith("train.precision=") for o in r["overrides"]), r
+    # yours in another module order than the advisor's costs the same: ranked before it
+    swapped = "language=dp2;image=dp2"
+    code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--json",
+                           "--top", 50, "--layout", swapped, main=main)
+    order = [r["layout"] for r in json.loads(out)["ranked"]]
+    assert order.index(swapped) + 1 == order.index(LAYOUTS["language dp2"]), order
     # the text form: the table and the reasons, the user's layout marked
     code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--layout",
                            LAYOUTS["language dp2"], main=main)

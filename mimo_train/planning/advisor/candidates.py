@@ -224,12 +224,13 @@ def _refusals(model: Model, layout: Layout, settings: mem.Settings, packing: boo
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 
 
-def rank(results: list[Result]) -> list[Result]:
-    """Fitting results, best first, one per layout (its best settings)."""
+def rank(results: list[Result], yours: str | None = None) -> list[Result]:
+    """Fitting results, best first, one per layout (its best settings); of equal ones, the
+    layout ``yours`` first (the same modules in another order cost the same)."""
     ordered = sorted((r for r in results if r.fits), key=lambda r: (
         round(r.step_s, 9), RECOMPUTE_ORDER[r.candidate.settings.recompute],
         RECOMPUTE_ORDER[r.candidate.settings.towers], r.candidate.settings.distributed_optimizer,
-        r.candidate.settings.split_media, r.peak_bytes))
+        r.candidate.settings.split_media, r.peak_bytes, str(r.candidate.layout) != yours))
     seen, found = set(), []
     for r in ordered:
         key = str(r.candidate.layout)
