@@ -39,7 +39,8 @@ def not_cached(name: str) -> str | None:
         return (f"the hub name {name!r} is not in the local hub cache ({constants.HF_HUB_CACHE})"
                 f": mimo reads the cache only. Download it first (hf download {name}) with "
                 "HF_HUB_CACHE or HF_HOME naming the cache this machine reads, or give its "
-                "directory")
+                f"directory (no folder {os.path.abspath(os.path.expanduser(name))} exists, "
+                "if a path was meant)")
     return None
 
 

@@ -291,7 +291,8 @@ def test_hub_names_are_read_from_the_local_cache_without_a_request(capsys, monke
                    f"is not in the local hub cache ({cache}): mimo reads the cache only. "
                    "Download it first (hf download Qwen/Qwen2-VL-7B-Instruct) with "
                    "HF_HUB_CACHE or HF_HOME naming the cache this machine reads, or give its "
-                   "directory\n")
+                   f"directory (no folder {os.path.abspath('Qwen/Qwen2-VL-7B-Instruct')} "
+                   "exists, if a path was meant)\n")
 
 
 @pytest.mark.parametrize("changes, named", [({"mode": "poem"}, "mode"),
