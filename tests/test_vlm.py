@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -516,7 +517,8 @@ def test_a_checkpoint_without_tokenizer_files_takes_the_preprocessings(vlm_data,
     tokenizer kept elsewhere): the preprocessing config's tokenizer is the run's; a setting
     that differs is named, not the tokenizer blamed as another model's (transformers makes an
     empty tokenizer from such a folder, which knows none of the ids); ``--preprocessing-for``
-    on it is refused naming the files, not written with its tokens null."""
+    on it is refused naming the files, not written with its tokens null (and not advised
+    where the preprocessing has several settings wrong, before the files are there)."""
     import shutil
 
     from mimo_data.preprocess.chat_tokens import load_tokenizer
@@ -534,6 +536,16 @@ def test_a_checkpoint_without_tokenizer_files_takes_the_preprocessings(vlm_data,
     config = PreprocessConfig.from_yaml(str(other))
     with pytest.raises(TrainConfigError, match="modalities.image has patch_size: 16, "
                        "merge_size: 1, but model.pretrained"):
+        check_preprocessing(read_vlm(str(tmp_path)), config, load_tokenizer(config), ("image",))
+    # several settings: the advice to write the model's own config says what it needs first
+    other.write_text(other.read_text().replace("positions: mrope", ""))
+    config = PreprocessConfig.from_yaml(str(other))
+    with pytest.raises(TrainConfigError, match=re.escape(
+            f"write its own with mimo-train --preprocessing-for {tmp_path} > preprocess.yaml "
+            "(then data.preprocess=preprocess.yaml in training, --config preprocess.yaml to "
+            "mimo-inspect), once the checkpoint's tokenizer files (tokenizer.json, "
+            "tokenizer_config.json) are beside its config.json (the folder has none), or mend "
+            "each:")):
         check_preprocessing(read_vlm(str(tmp_path)), config, load_tokenizer(config), ("image",))
     # wrap ids the preprocessing tokenizer has no tokens for (another model's ids): its
     # tokenizer is what to change, not a wrap of [None, None]

@@ -7,12 +7,16 @@ with ``mimo-train --preprocessing-for`` where the config is another model's.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 
 import numpy as np
 
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import VLM
+
+# a tokenizer's own files (fast, sentencepiece, byte-level BPE): one makes it readable
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_preprocessing(vlm: VLM, preprocess, tokenizer,
@@ -32,12 +36,16 @@ def check_preprocessing(vlm: VLM, preprocess, tokenizer,
         raise TrainConfigError(foreign)
     if len(problems) == 1:
         raise TrainConfigError(problems[0])
+    untokenized = os.path.isdir(vlm.path) and not any(
+        os.path.isfile(os.path.join(vlm.path, name)) for name in TOKENIZER_FILES)
     raise TrainConfigError(
         f"the preprocessing config is not the one model.pretrained {vlm.path} takes "
         f"({len(problems)} settings differ): write its own with mimo-train --preprocessing-for "
         f"{vlm.path} > preprocess.yaml (then data.preprocess=preprocess.yaml in training, "
-        "--config preprocess.yaml to mimo-inspect), or mend each:"
-        + "".join(f"\n  - {problem}" for problem in problems))
+        "--config preprocess.yaml to mimo-inspect)" + (
+            ", once the checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json) "
+            "are beside its config.json (the folder has none)" if untokenized else "")
+        + ", or mend each:" + "".join(f"\n  - {problem}" for problem in problems))
 
 
 def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
