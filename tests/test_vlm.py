@@ -450,6 +450,25 @@ def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_da
                                         f"data.preprocess={preprocess}"]))
 
 
+def test_a_vlm_config_without_its_vision_config_is_refused(tmp_path, vlm_data):
+    """A whole VLM's config.json cut of its vision_config (transformers fills the tower's dims
+    with its defaults): refused naming what to give, by the trainer and by the advisor."""
+    from mimo_train.planning.advisor.inputs import read_model
+
+    config = json.loads((VLM / "config.json").read_text())
+    del config["vision_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    said = (f"model.pretrained {tmp_path}: its config.json is a 'qwen2_vl' model's without its "
+            "vision_config (the tower's dims, which transformers would fill with its "
+            "defaults): give the checkpoint's whole config.json")
+    with pytest.raises(TrainConfigError, match=re.escape(said)):
+        resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={tmp_path}"]))
+    _, preprocess, _ = vlm_data                     # not "a language model alone"
+    with pytest.raises(TrainConfigError, match=re.escape(said)):
+        read_model(str(tmp_path), str(preprocess), PreprocessConfig.from_yaml(str(preprocess)),
+                   {"image": "image"})
+
+
 @pytest.mark.parametrize("model_type, reason", [
     ("llava_onevision", "any-res"), ("llava_next", "any-res"),
     ("llama", "not a whole vision-language model"),

@@ -82,6 +82,12 @@ def read_vlm(path: str, key: str = "model.pretrained") -> VLM:
                                f"vision-language model mimo takes ({', '.join(VLMS)}); give "
                                "the language model as model.language.pretrained and each "
                                "encoder as model.encoders.<module>.pretrained instead")
+    given = _given_config(path)
+    if given is not None and "vision_config" not in given:
+        raise TrainConfigError(f"{key} {path}: its config.json is a {family!r} model's without "
+                               "its vision_config (the tower's dims, which transformers would "
+                               "fill with its defaults): give the checkpoint's whole "
+                               "config.json")
     vlm = VLMS[family].read(config, path)
     return vlm if vlm.video_token_id is None else dataclasses.replace(
         vlm, video_inputs=_video_inputs(vlm, config, path))
@@ -230,6 +236,17 @@ def _training_checkpoint(path: str, key: str) -> str | None:
 
 
 @lru_cache(maxsize=16)
+def _given_config(path: str) -> dict | None:
+    """The checkpoint's config.json as written (no defaults filled); None where it cannot be
+    read so (transformers read it: its own errors are said)."""
+    try:
+        with open(os.path.join(model_directory(path), "config.json")) as f:
+            given = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return given if isinstance(given, dict) else None
+
+
 def _read_config(path: str):
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(path)

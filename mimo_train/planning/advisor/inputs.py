@@ -185,8 +185,9 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
         except (OSError, ValueError) as error:
             raise TrainConfigError(f"{os.path.join(directory, 'config.json')} cannot be read "
                                    f"({error})") from None
-        key = "model.pretrained" if "vision_config" in whole or "text_config" in whole \
-            else "model.language.pretrained"
+        from mimo_train.families.registry import VLMS
+        key = "model.pretrained" if "vision_config" in whole or "text_config" in whole or \
+            whole.get("model_type") in VLMS else "model.language.pretrained"
         if key == "model.language.pretrained" and modalities:
             # nothing says what the encoders are: their dims would be EncoderConfig's defaults
             raise TrainConfigError(
