@@ -1281,7 +1281,7 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
         ("b.tar/1", "b.tar/1", "Another first."), ("b.tar/3", "b.tar/3", "Third.")]
     assert reader.read_member(reader.table.position("b.tar/1"), "jpg") == photo
     assert verify(str(tmp_path / "per-tar"), progress=False) == []
-    # mimo-inspect sample --key: TAR/KEY, or a KEY one tar has (not one two tars have)
+    # mimo-inspect sample --key: TAR/KEY, or a KEY one tar has; one two tars have is said
     from mimo_data.inspect.cli import main as inspect_main
     config = REPO / "configs" / "preprocess.yaml"
     for key, found in (("b.tar/1", "b.tar/1"), ("3", "b.tar/3"), ("1", None)):
@@ -1290,8 +1290,8 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
                              str(config), "--color", "never"])
         out, err = capsys.readouterr()
         assert (code, out.startswith(f"sample {found} ") if found else
-                f"no sample with key (or one id) '{key}'" in err) == (0 if found else 2, True), \
-            (key, out, err)
+                "mimo-inspect sample: error: 2 tars have the key '1' (a.tar/1, b.tar/1): give "
+                "TAR/KEY" in err) == (0 if found else 2, True), (key, out, err)
     from mimo_data.shards.stops import StrictStop
     with pytest.raises(StrictStop, match="^b.tar:1: duplicate_key: the key occurs in an "
                        "earlier tar too"):

@@ -452,7 +452,8 @@ def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_da
 
 def test_a_vlm_config_without_its_vision_config_is_refused(tmp_path, vlm_data):
     """A whole VLM's config.json cut of its vision_config (transformers fills the tower's dims
-    with its defaults): refused naming what to give, by the trainer and by the advisor."""
+    with its defaults): refused naming what to give, by the trainer and by the advisor; its
+    language model alone (model.language.pretrained) is still read."""
     from mimo_train.planning.advisor.inputs import read_model
 
     config = json.loads((VLM / "config.json").read_text())
@@ -467,6 +468,9 @@ def test_a_vlm_config_without_its_vision_config_is_refused(tmp_path, vlm_data):
     with pytest.raises(TrainConfigError, match=re.escape(said)):
         read_model(str(tmp_path), str(preprocess), PreprocessConfig.from_yaml(str(preprocess)),
                    {"image": "image"})
+    # its language model alone needs no tower: read as before
+    from mimo_train.families.registry import language_arch
+    assert language_arch(str(tmp_path), weights=False) == language_arch(str(VLM), weights=False)
 
 
 @pytest.mark.parametrize("model_type, reason", [

@@ -281,11 +281,11 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
                    "resize (default 1280x720)")
 
 
-def _position_of(reader, key: str) -> int | None:
+def _position_of(reader, key: str) -> int | str | None:
     """The position of the sample ``--key`` names: its key, the key ``key`` zero-padded
     (``42`` for ``000000042``), in an index of ``--keys-per-tar`` the one tar's ``TAR/KEY``
-    that ends so, or the record id the build kept (read from samples.parquet's ``id``
-    column, where one sample has it)."""
+    that ends so (padded too; several tars': what to give instead), or the record id the
+    build kept (read from samples.parquet's ``id`` column, where one sample has it)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -294,9 +294,16 @@ def _position_of(reader, key: str) -> int | None:
     found = table.position(key)
     if found is None and key.isdigit() and len(table) and len(key) < len(table.key(0)):
         found = table.position(key.zfill(len(table.key(0))))
-    if found is None and reader.index.get("build", {}).get("keys_per_tar"):
-        matches = pc.indices_nonzero(pc.ends_with(table.keys, f"/{key}")).to_pylist()
-        found = matches[0] if len(matches) == 1 else None
+    if found is None and reader.index.get("build", {}).get("keys_per_tar") and len(table):
+        width = len(table.key(0).rpartition("/")[2])
+        ends = {f"/{key}", f"/{key.zfill(width)}" if key.isdigit() else f"/{key}"}
+        matches = sorted({p for end in ends
+                          for p in pc.indices_nonzero(pc.ends_with(table.keys, end)).to_pylist()})
+        if len(matches) > 1:
+            return (f"{len(matches)} tars have the key {key!r} "
+                    f"({', '.join(table.key(p) for p in matches[:4])}"
+                    f"{', ...' if len(matches) > 4 else ''}): give TAR/KEY")
+        found = matches[0] if matches else None
     if found is None:
         ids = read_samples(reader.directory, lambda path: pq.read_table(
             path, columns=["id"])).column("id")
@@ -318,6 +325,9 @@ def _sample(args, config) -> int:
     reader = ShardReader(args.directory, args.cache_dir)
     if args.key is not None:
         position = _position_of(reader, args.key)
+        if isinstance(position, str):
+            print(f"mimo-inspect sample: error: {position}", file=sys.stderr)
+            return 2
         if position is not None:
             positions = [position]
         else:

@@ -59,7 +59,7 @@ def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
         raise EncoderBuildError(f"encoder kind {kind!r} is unknown: use one of {sorted(ENCODERS)}")
     source: str | VLM | None = pretrained
     if pretrained and _model_type(pretrained, "model.encoders.*.pretrained") in VLMS:
-        source = read_vlm(pretrained)
+        source = read_vlm(pretrained, "model.encoders.*.pretrained")
     return ENCODERS[kind](modality_config, hidden_size, num_layers, num_attention_heads,
                           source)
 
@@ -70,9 +70,10 @@ def default_kind(modality: str, modality_config) -> str:
 
 
 @lru_cache(maxsize=8)
-def read_vlm(path: str, key: str = "model.pretrained") -> VLM:
+def read_vlm(path: str, key: str = "model.pretrained", tower: bool = True) -> VLM:
     """The whole VLM at ``path`` (directory or cached hub name), or ``TrainConfigError``
-    naming why mimo cannot take it (as given by ``key``)."""
+    naming why mimo cannot take it (as given by ``key``; ``tower``: its tower is built, so
+    its config.json must give the tower's dims)."""
     config = checkpoint_config(path, key)
     family = config.model_type
     if family in REFUSED:
@@ -82,7 +83,7 @@ def read_vlm(path: str, key: str = "model.pretrained") -> VLM:
                                f"vision-language model mimo takes ({', '.join(VLMS)}); give "
                                "the language model as model.language.pretrained and each "
                                "encoder as model.encoders.<module>.pretrained instead")
-    given = _given_config(path)
+    given = _given_config(path) if tower else None
     if given is not None and "vision_config" not in given:
         raise TrainConfigError(f"{key} {path}: its config.json is a {family!r} model's without "
                                "its vision_config (the tower's dims, which transformers would "
@@ -262,5 +263,6 @@ def language_arch(path: str, key: str = "model.language.pretrained",
     language model (``read_vlm`` says where its weights sit; ``weights=False``: the dims from
     ``config.json`` alone, where the weights sit not read)."""
     config = checkpoint_config(path, key)
-    vlm = read_vlm(path) if getattr(config, "text_config", None) is not None else None
+    vlm = read_vlm(path, key, tower=False) \
+        if getattr(config, "text_config", None) is not None else None
     return causal_lm.read_architecture(path, key, vlm, weights)
