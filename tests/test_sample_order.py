@@ -134,6 +134,14 @@ def test_bad_weights_are_refused():
         SampleOrder([shape(100), shape(25), shape(25)], 0, 1, weights=[1, 0.001, 0.001])
     assert SampleOrder([shape(100), shape(25), shape(25)], 0, 1,
                        weights=[1, 0.00676, 0.00676]).quotas == [148, 1, 1]
+    # one under a sample that the remainders round up is named too: the advice raises both
+    with pytest.raises(OrderError, match=re.escape(
+            "dataset 0 has weight 0.0012, a share of 0.44; dataset 1 has weight 0.00125, a "
+            "share of 0.46 of an epoch's 734 samples, under one sample each: drawn by the "
+            "rounding alone, or never. Give each a weight of at least 0.00274")):
+        SampleOrder([shape(216), shape(261), shape(257)], 0, 1, weights=[0.0012, 0.00125, 2])
+    assert SampleOrder([shape(216), shape(261), shape(257)], 0, 1,
+                       weights=[0.00274, 0.00274, 2]).quotas == [1, 1, 732]
 
 
 def test_dp_parts_tile_each_global_micro_batch():

@@ -134,22 +134,24 @@ class SampleOrder:
         kept = [d.kept_count for d in self.datasets]
         self.epoch_length = sum(kept)
         self.quotas = kept if weights is None else _quotas(weights, kept)
-        unseen = []                     # weighted datasets whose share rounds to no sample
+        unseen = False                  # a weighted dataset whose share rounds to no sample
         for i, (count, quota) in enumerate(zip(kept, self.quotas)):
             name = names[i] if names else f"dataset {i}"
             if quota and not count:
                 raise OrderError(f"{name} has weight {(weights or [])[i]} but preprocessing "
                                  "keeps none of its samples: give it weight 0 or fix its "
                                  "data/config")
-            if weights is not None and weights[i] > 0 and count and not quota:
-                unseen.append(i)
+            unseen |= weights is not None and weights[i] > 0 and count > 0 and not quota
             if weights is None and not count and len(kept) > 1:     # a mix trained without it
                 raise OrderError(f"{name}: preprocessing keeps none of its samples "
                                  f"({len(self.datasets[i].kept)} read), so the mix would go "
                                  "without it: drop it from the list or fix its data/config "
                                  "(mimo-inspect report says why each was dropped)")
-        if unseen:
-            raise OrderError(_never_drawn(unseen, weights or [], self.epoch_length, names))
+        if unseen and weights is not None:      # each share under one sample said, and raised
+            under = [i for i, (w, count) in enumerate(zip(weights, kept))
+                     if w > 0 and count and w * self.epoch_length / sum(weights) < 1]
+            raise OrderError(_never_drawn(under, weights, self.epoch_length, names,
+                                          all(not self.quotas[i] for i in under)))
         if remainder == "drop":
             self.steps_per_epoch = self.epoch_length // global_batch_size
         else:
@@ -230,18 +232,21 @@ def _unit(*tags: int) -> float:
 
 
 def _never_drawn(unseen: list[int], weights: list[float], length: int,
-                 names: Sequence[str]) -> str:
+                 names: Sequence[str], none: bool) -> str:
     """The refusal of the datasets ``unseen`` whose weights' shares of an epoch of ``length``
-    samples round to none, with the least weight that draws one sample of each when all of
-    them take it (rounded up to 3 digits)."""
+    samples are under one (``none``: each rounds to none; else some round up to one by the
+    remainders), with the least weight that draws one sample of each when all of them take it
+    (rounded up to 3 digits)."""
     rest = sum(weights) - sum(weights[i] for i in unseen)
     least = rest / max(length - len(unseen), 1)
     step = 10.0 ** (math.floor(math.log10(least)) - 2)
     shares = "; ".join(f"{names[i] if names else f'dataset {i}'} has weight {weights[i]}, a "
                        f"share of {weights[i] * length / sum(weights):.2f}" for i in unseen)
     one = len(unseen) == 1
-    return (f"{shares} of an epoch's {length} samples, which round{'s' if one else ''} to "
-            f"none: {'it' if one else 'they'} would never be drawn. Give "
+    fate = (f"which round{'s' if one else ''} to none: {'it' if one else 'they'} would never "
+            "be drawn" if none else "under one sample each: drawn by the rounding alone, or "
+            "never")
+    return (f"{shares} of an epoch's {length} samples, {fate}. Give "
             f"{'it' if one else 'each'} a weight of at least "
             f"{math.ceil(least / step) * step:.3g} (one sample an epoch), or 0 to leave "
             f"{'it' if one else 'them'} out")
