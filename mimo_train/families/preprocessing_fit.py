@@ -7,16 +7,12 @@ with ``mimo-train --preprocessing-for`` where the config is another model's.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 
 import numpy as np
 
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import VLM
-
-# a tokenizer's own files (fast, sentencepiece, byte-level BPE): one makes it readable
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_preprocessing(vlm: VLM, preprocess, tokenizer,
@@ -36,8 +32,7 @@ def check_preprocessing(vlm: VLM, preprocess, tokenizer,
         raise TrainConfigError(foreign)
     if len(problems) == 1:
         raise TrainConfigError(problems[0])
-    untokenized = os.path.isdir(vlm.path) and not any(
-        os.path.isfile(os.path.join(vlm.path, name)) for name in TOKENIZER_FILES)
+    untokenized = _checkpoint_tokens(vlm) is None
     raise TrainConfigError(
         f"the preprocessing config is not the one model.pretrained {vlm.path} takes "
         f"({len(problems)} settings differ): write its own with mimo-train --preprocessing-for "
@@ -52,19 +47,12 @@ def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
     """What to say when the preprocessing's ``tokenizer`` (None: loaded from its config) names
     the checkpoint's special token ids otherwise than the checkpoint's own tokenizer does
     (None: the same, or the checkpoint has none)."""
-    from mimo_data.preprocess.tokenizer_loading import shared_tokenizer
+    known = _checkpoint_tokens(vlm)
+    if known is None:
+        return None
     if tokenizer is None:
         from mimo_data.preprocess.chat_tokens import load_tokenizer
         tokenizer = load_tokenizer(preprocess)
-    try:
-        own = shared_tokenizer(vlm.path)
-    except Exception:         # no tokenizer files beside the weights: nothing to compare
-        return None
-    ids = [i for i in (vlm.image_token_id, *vlm.image_wrap_ids, vlm.video_token_id)
-           if i is not None]
-    known = {i: own.convert_ids_to_tokens(i) for i in ids}
-    if not any(known.values()):     # transformers makes an empty one where the files are not
-        return None
     for i, theirs in known.items():
         ours = tokenizer.convert_ids_to_tokens(i)
         if theirs != ours:
@@ -76,6 +64,21 @@ def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
                     "data.preprocess=preprocess.yaml in training (--config preprocess.yaml "
                     "to mimo-inspect)")
     return None
+
+
+def _checkpoint_tokens(vlm: VLM) -> dict[int, str | None] | None:
+    """The checkpoint's own tokenizer's tokens at the model's image, wrap and video token ids;
+    None where it has no tokenizer files (transformers then makes an empty tokenizer, which
+    knows none of them)."""
+    from mimo_data.preprocess.tokenizer_loading import shared_tokenizer
+    try:
+        own = shared_tokenizer(vlm.path)
+    except Exception:         # no tokenizer files beside the weights: nothing to compare
+        return None
+    ids = [i for i in (vlm.image_token_id, *vlm.image_wrap_ids, vlm.video_token_id)
+           if i is not None]
+    known = {i: own.convert_ids_to_tokens(i) for i in ids}
+    return known if any(known.values()) else None
 
 
 def _preprocessing_problems(vlm: VLM, preprocess, tokenizer,
