@@ -318,7 +318,7 @@ def test_a_decoded_audio_column_trains_its_samples_not_its_path(capsys, tmp_path
                                              "path": str(assets["wav"])} for r in rows],
                                            decoded)})
     tables = {
-        "floats": table([("cut", cut.tolist(), float(rate)), ("no-rate", cut.tolist(), None),
+        "floats": table([("cut", cut.tolist(), float(rate)), ("no-rate", cut.tolist(), 3e9),
                          ("nan", [float("nan")] * 100, float(rate)),
                          ("int-scaled", (cut * 32768).tolist(), float(rate))],
                         pa.list_(pa.float32())),
@@ -341,8 +341,8 @@ def test_a_decoded_audio_column_trains_its_samples_not_its_path(capsys, tmp_path
         assert stored_rate == rate and samples.tolist() == expected.tolist(), key
     skipped = {entry["location"].rsplit("/", 1)[-1]: entry["detail"] for entry in read_json(
         tmp_path / "out" / "report.json")["skipped_by_reason"]["malformed_record"]["first"]}
-    assert "a decoded audio array with sampling_rate None: give its rate in Hz beside it" in \
-        skipped["floats.parquet#1"], skipped
+    assert "a decoded audio array with sampling_rate 3000000000.0: give its rate in Hz beside " \
+        "it" in skipped["floats.parquet#1"], skipped
     assert "a decoded audio array whose samples reach nan: give float samples in [-1, 1]" in \
         skipped["floats.parquet#2"], skipped
     assert "a decoded audio array whose samples reach " in skipped["floats.parquet#3"], skipped

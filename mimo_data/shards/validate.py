@@ -92,6 +92,9 @@ def _base64(text: str, what: str) -> bytes:
         raise RecordError("malformed_record", f"{what} is not valid base64") from None
 
 
+MAX_SAMPLING_RATE = 1_000_000         # Hz: above any audio's (768 kHz the highest in use)
+
+
 def _wav_of(ref: dict) -> bytes:
     """A clip given decoded (Hugging Face datasets' ``Audio()`` feature: ``{array,
     sampling_rate, path}``) as float WAV bytes of those samples, not of the file its ``path``
@@ -101,7 +104,8 @@ def _wav_of(ref: dict) -> bytes:
     is refused rather than guessed at."""
     rate = ref.get("sampling_rate")
     if isinstance(rate, bool) or not isinstance(rate, (int, float, np.number)) or \
-            not math.isfinite(rate) or rate <= 0 or not float(rate).is_integer():
+            not math.isfinite(rate) or not 0 < rate <= MAX_SAMPLING_RATE or \
+            not float(rate).is_integer():
         raise RecordError("malformed_record", f"a decoded audio array with sampling_rate "
                           f"{rate!r}: give its rate in Hz beside it, or the file's bytes "
                           "({bytes, path}: datasets' Audio(decode=False))")
