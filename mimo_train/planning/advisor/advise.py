@@ -178,6 +178,11 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
         "candidates": len(results),
         "layouts": len({str(c.layout) for c in tried}),
         "fitting_layouts": len(ranked), "dropped_layouts": len(dropped_layouts),
+        # of the tries that do not fit, the least model state (weights, gradients, optimizer
+        # state) of their fullest rank: above the usable memory, no batch or sample size helps
+        "least_state_gib": min((max(m.weights + m.gradients + m.optimizer + m.adapters
+                                    for m in r.memory.values()) / 2**30 for r in dropped),
+                               default=None),
         "yours": yours.compact() if yours is not None else None,
         "yours_not_ranked": not_ranked,
         "ranked": [{**result_json(r, request.gpus, device, work, model.optimizer_modules,

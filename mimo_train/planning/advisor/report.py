@@ -195,19 +195,17 @@ LESS_TRAINED = ("train less of the model (LoRA, frozen parts: model.lora, model.
 
 
 def _nothing_fits(report: dict) -> str:
-    """What to change where no layout fits: where the closest try's model state alone
-    (weights, gradients, optimizer state) passes a GPU's usable memory, no batch or sample
+    """What to change where no layout fits: where every try's model state alone (weights,
+    gradients, optimizer state, on some rank) passes a GPU's usable memory, no batch or sample
     size can help, and the line says so."""
     usable, w = report["gpu"]["usable_gib"], report["workload"]
-    if report["dropped"]:
-        name, m = _fullest(report["dropped"][0])
-        state = m["weights"] + m["gradients"] + m["optimizer"] + m["adapters"]
-        if state > usable:
-            return (f"no layout fits: the model's own state passes a GPU's memory on the "
-                    f"closest (its {name} rank: weights, gradients and optimizer state "
-                    f"{state:.1f} GiB > {usable:.1f} usable), whatever the batch or the "
-                    "samples: more GPUs (the distributed optimizer shards the optimizer state "
-                    f"over dp), a GPU with more memory, or {LESS_TRAINED}")
+    state = report.get("least_state_gib")
+    if state is not None and state > usable:
+        return (f"no layout fits: the model's own state passes a GPU's memory in every try "
+                f"(weights, gradients and optimizer state: {state:.1f} GiB on a rank at the "
+                f"least > {usable:.1f} usable), whatever the batch or the samples: more GPUs "
+                "(the distributed optimizer shards the optimizer state over dp), a GPU with "
+                f"more memory, or {LESS_TRAINED}")
     fewer = ("a smaller micro batch" if w["micro_batch_size"] > 1 else
              "shorter samples (fewer tokens each: the media's max_pixels, a video's fps, "
              "seq_length)")
