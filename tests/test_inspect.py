@@ -614,9 +614,13 @@ def test_clips_cut_by_long_audio_truncate_are_counted(capsys, tmp_path, clean, c
         assert [entry["key"] for entry in cut["first"]] == [key for key, _ in first]
         assert [d for entry in cut["first"] for d in entry["durations"]] == pytest.approx(
             [d for _, found in first for d in found], abs=1e-5)
-        assert (f"{cut['clips']} clips over max_duration 5 s cut to it (long_audio: "
-                f"truncate) in {cut['samples']} samples, {cut['seconds_cut']:.1f} s of audio "
+        assert (f"{cut['clips']} clip(s) over max_duration 5 s cut to it (long_audio: "
+                f"truncate) in {cut['samples']} sample(s), {cut['seconds_cut']:.1f} s of audio "
                 "dropped") in out
+        # each first clip beside where the build read its record
+        entry = cut["first"][0]
+        assert f"{entry['key']} ({entry['source']}: {entry['durations'][0]:.1f} s" in out, out
+        assert re.fullmatch(r".+\.(jsonl|json|parquet)[:#]\d+", entry["source"]), entry
 
 
 def test_a_dataset_built_with_header_checks_is_said_undecoded(capsys, tmp_path, assets,

@@ -596,10 +596,12 @@ def audio_cut(directory: str, kept: np.ndarray, config: PreprocessConfig) -> dic
     limit = max_audio_samples(audio) / audio.sample_rate
     found = {"clips": 0, "samples": 0, "max_duration": limit, "seconds_cut": 0.0, "first": []}
     column = summary_column("audio", "duration")
-    if column not in read_samples(directory, lambda path: pq.read_schema(path).names):
+    names = read_samples(directory, lambda path: pq.read_schema(path).names)
+    if column not in names:
         return found                                # a dataset built before audio: no clip
     table = read_samples(directory, lambda path: pq.read_table(
-        path, columns=["key", column])).slice(0, len(kept))
+        path, columns=["key", column, *(["source"] if "source" in names else [])])
+    ).slice(0, len(kept))
     lists = table.column(column).combine_chunks()
     counts = pc.list_value_length(lists).fill_null(0).to_numpy()
     durations = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float64)
@@ -609,6 +611,8 @@ def audio_cut(directory: str, kept: np.ndarray, config: PreprocessConfig) -> dic
     found.update(clips=int(cut.sum()), samples=len(samples),
                  seconds_cut=float((durations[cut] - limit).sum()),
                  first=[{"key": table.column("key")[int(p)].as_py(),
+                         "source": table.column("source")[int(p)].as_py()
+                         if "source" in names else None,
                          "durations": durations[cut & (sample_of == p)].tolist()}
                         for p in samples[:KEYS_IN_MESSAGE]])
     return found
@@ -616,12 +620,13 @@ def audio_cut(directory: str, kept: np.ndarray, config: PreprocessConfig) -> dic
 
 def cut_line(cut: dict) -> str:
     """``audio_cut`` in words."""
-    line = (f"{cut['clips']} clips over max_duration {cut['max_duration']:g} s cut to it "
-            f"(long_audio: truncate) in {cut['samples']} samples, {cut['seconds_cut']:.1f} s "
+    line = (f"{cut['clips']} clip(s) over max_duration {cut['max_duration']:g} s cut to it "
+            f"(long_audio: truncate) in {cut['samples']} sample(s), {cut['seconds_cut']:.1f} s "
             "of audio dropped")
     if cut["clips"]:
         line += ("; each keeps its whole transcript; first: " + ", ".join(
-            f"{entry['key']} ({', '.join(f'{d:.1f} s' for d in entry['durations'])})"
+            f"{entry['key']} ({entry['source']}: "
+            f"{', '.join(f'{d:.1f} s' for d in entry['durations'])})"
             for entry in cut["first"]))
     return line
 
