@@ -259,10 +259,14 @@ def built(tmp_path_factory, corpus):
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     pq.write_table(pa.table({
         "images": pa.array([[None, {"bytes": chelsea, "path": "c.jpg"}, None],
-                            [None, {"bytes": None, "path": "astronaut.jpg"}]],
+                            [None, {"bytes": None, "path": "astronaut.jpg"}],
+                            # positions a cleaning emptied: "" text, a struct of nulls
+                            [None, None, {"bytes": chelsea, "path": "e.jpg"},
+                             {"bytes": None, "path": None}]],
                            pa.list_(image)),
-        "texts": pa.array([["Intro.", None, "Outro."], ["Only text then", None]]),
-        "metadata": pa.array(["{}", "{}"]),
+        "texts": pa.array([["Intro.", None, "Outro."], ["Only text then", None],
+                           ["Emptied pieces around it:", "", None, None]]),
+        "metadata": pa.array(["{}", "{}", "{}"]),
     }), root / "obelics.parquet")
     out = root / "dataset"
     build_dataset([root / "mixed.jsonl", root / "obelics.parquet"], out)
@@ -273,12 +277,13 @@ def test_build_writes_documents_and_captions_and_counts_the_bad_ones(built):
     records = sample_records(built)
     assert [(r.get("kind"), r["text"]) for r in records] == [
         ("document", "A cat:\n<image>\nIt sleeps."), ("caption", "An astronaut."),
-        ("document", "Intro.\n<image>\nOutro."), ("document", "Only text then\n<image>")]
+        ("document", "Intro.\n<image>\nOutro."), ("document", "Only text then\n<image>"),
+        ("document", "Emptied pieces around it:\n<image>")]
     assert all("messages" not in r for r in records)
     assert [[m["path"] for m in r["media"]] for r in records] == [
-        ["chelsea.jpg"], ["astronaut.jpg"], ["c.jpg"], ["astronaut.jpg"]]
+        ["chelsea.jpg"], ["astronaut.jpg"], ["c.jpg"], ["astronaut.jpg"], ["e.jpg"]]
     report = read_json(built / "report.json")
-    assert report["records_read"] == 13 and report["samples_written"] == 4
+    assert report["records_read"] == 14 and report["samples_written"] == 5
     assert {reason: data["count"] for reason, data in report["skipped_by_reason"].items()} == {
         "empty_document": 2, "malformed_record": 3, "marker_mismatch": 1, "missing_media": 1,
         "empty_caption": 1, "invalid_utf8": 1}
@@ -291,7 +296,7 @@ def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):
     reader = ShardReader(str(built))
     tally = Tally()
     full = list(preprocess_dataset(reader, _preprocessor(encoders, with_media=True), tally))
-    assert tally.kept == 4
+    assert tally.kept == 5
     table = token_table.TokenTable(token_table.compute(reader, _preprocessor(encoders)),
                                    list(config.modalities))
     assert table.tokens.tolist() == [len(s.input_ids) for s in full]
@@ -302,7 +307,7 @@ def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):
     report = build_report(str(built), inspector, Thresholds(), progress=False, reuse=False)
     assert report["kinds"] == {
         "caption": {"trains_as": "caption (plain)", "samples": 1, "kept": 1},
-        "document": {"trains_as": "document", "samples": 3, "kept": 3}}
+        "document": {"trains_as": "document", "samples": 4, "kept": 4}}
     # the build's skipped records fail the report, which names them by reason, and nothing
     # else does
     assert [c["name"] for c in report["checks"] if not c["passed"]] == ["skipped_records"]
@@ -312,7 +317,7 @@ def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):
     report = build_report(str(built), inspector, Thresholds(max_skipped_records_fraction=0.7),
                           progress=False, reuse=False)
     assert report["passed"], format_report(report)
-    assert "kinds       caption 1 (1 kept) as caption (plain), document 3 (3 kept)" in \
+    assert "kinds       caption 1 (1 kept) as caption (plain), document 4 (4 kept)" in \
         format_report(report)
     # a few samples a minute read as such, not as 0 samples/s
     assert " 0.31 samples/s overall" in format_report({**report, "samples_per_second": 0.3125})
@@ -341,11 +346,11 @@ def test_a_record_of_an_unknown_kind_is_a_counted_drop(encoders):
 
 def test_one_training_step_on_documents_and_captions(built, encoders, ranks, tmp_path):
     """The tiny images + language model's first step on the built dataset (a global batch of
-    its four samples): a finite loss over exactly their trained tokens."""
+    its five samples): a finite loss over exactly their trained tokens."""
     records = runs.train(ranks, tmp_path, "documents", "images_language_colocated.yaml",
                          f"data.datasets=[{built}]", "layout=language=dp1;image=dp1,off0",
-                         "train.steps=1", "train.global_batch_size=4",
-                         "train.micro_batch_size=2", f"checkpoint.dir={tmp_path / 'ck'}",
+                         "train.steps=1", "train.global_batch_size=5",
+                         "train.micro_batch_size=5", f"checkpoint.dir={tmp_path / 'ck'}",
                          nproc=1)
     [record] = runs.train_records(records)
     reader = ShardReader(str(built))

@@ -562,12 +562,13 @@ DOCUMENT_JOIN = "\n"
 
 def normalize_document(texts, images) -> tuple[str, list]:
     """An interleaved document (OBELICS / MINT-1T: parallel ``texts`` and ``images`` lists,
-    one of the two non-null at each position, an empty string read as null) → its text with
-    an ``<image>`` marker in each image's place (pieces joined by ``DOCUMENT_JOIN``) and its
-    images' refs in order.
+    one of the two non-null at each position, an empty string or an image struct of nulls read
+    as null) → its text with an ``<image>`` marker in each image's place (pieces joined by
+    ``DOCUMENT_JOIN``) and its images' refs in order. A position with neither (a piece a
+    cleaning emptied) holds nothing and is left out.
 
     RecordError: ``malformed_record`` (lists missing, of different lengths, a position with
-    both or neither), ``invalid_utf8``, ``marker_mismatch`` (a marker typed in a text),
+    both), ``invalid_utf8``, ``marker_mismatch`` (a marker typed in a text),
     ``empty_document`` (no text, or only whitespace).
     """
     if not isinstance(texts, (list, tuple)) or not isinstance(images, (list, tuple)):
@@ -578,11 +579,12 @@ def normalize_document(texts, images) -> tuple[str, list]:
                           f"'images' {len(images)}; they must be parallel")
     pieces, refs = [], []
     for i, (text, image) in enumerate(zip(texts, images)):
-        text, image = (None if text == "" else text), (None if image == "" else image)
-        if (text is None) == (image is None):
-            has = "both a text and an image" if text is not None else "neither"
-            raise RecordError("malformed_record", f"position {i} has {has}; exactly one of "
-                              "'texts' and 'images' must be non-null there")
+        text, image = (None if text == "" else text), (None if _no_image(image) else image)
+        if text is None and image is None:
+            continue
+        if text is not None and image is not None:
+            raise RecordError("malformed_record", f"position {i} has both a text and an image; "
+                              "at most one of 'texts' and 'images' may be non-null there")
         if text is not None:
             if not isinstance(text, str):
                 raise RecordError("malformed_record", f"text {i} is a {json_type(text)}, "
@@ -597,6 +599,13 @@ def normalize_document(texts, images) -> tuple[str, list]:
         raise RecordError("empty_document", f"the document has no text ({len(refs)} image(s) "
                           "only): nothing to train on")
     return DOCUMENT_JOIN.join(pieces), refs
+
+
+def _no_image(image) -> bool:
+    """A document's image position that holds none: null, "", or a struct of nulls (an HF
+    ``Image`` column's null after a pandas round trip: ``{bytes: None, path: None}``)."""
+    return image is None or image == "" or (
+        isinstance(image, dict) and all(value in (None, "") for value in image.values()))
 
 
 def normalize_caption(caption, media: dict[str, list]) -> str:
