@@ -389,7 +389,11 @@ class ConversationFile:
                               f"{sorted(record)[:12]}, and mimo reads 'messages' or "
                               "'conversations' (role/content or from/value turns), a 'caption' "
                               "pair or a 'texts' document: convert other forms first (alpaca's "
-                              "instruction/input/output, query/response, video QA's q/a)")
+                              "instruction/input/output, query/response, video QA's q/a" + (
+                                  "; MMC4's text_list and image_info: 'texts' with each "
+                                  "sentence, a null before it for each image whose "
+                                  "matched_text_index it is, and 'images' parallel: the image's "
+                                  "file at those nulls" if "text_list" in record else "") + ")")
         key = "conversations" if record.get("conversations") is not None else "messages"
         turns = exchanges(as_turns(turns, f"its {key!r}"), media)
         media = with_part_items(media, turns, {
