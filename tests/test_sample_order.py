@@ -116,32 +116,28 @@ def test_bad_weights_are_refused():
             "go without it: drop it from the list")):
         SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1,
                     names=["shards/images", "s3://b/speech"])
-    # a weight whose share of an epoch rounds to no sample: never drawn, so refused with the
-    # least weight that draws one (0.4 / 39.6 of 40 samples; 1 / 39 of the others' 1)
-    with pytest.raises(OrderError, match=re.escape(
-            "s3://b/speech has weight 0.01, a share of 0.40 of an epoch's 40 samples, which "
-            "rounds to none: it would never be drawn. Give it a weight of at least 0.0257 (one "
-            "sample an epoch), or 0 to leave it out")):
-        SampleOrder([shape(22), shape(18)], 0, 1, weights=[1, 0.01],
-                    names=["shards/images", "s3://b/speech"])
-    assert SampleOrder([shape(22), shape(18)], 0, 1, weights=[1, 0.0257]).quotas == [39, 1]
-    # several: said at once, with the weight that draws each when all take it
-    with pytest.raises(OrderError, match=re.escape(
-            "dataset 1 has weight 0.001, a share of 0.15; dataset 2 has weight 0.001, a share "
-            "of 0.15 of an epoch's 150 samples, which round to none: they would never be "
-            "drawn. Give each a weight of at least 0.00676 (one sample an epoch), or 0 to "
-            "leave them out")):
-        SampleOrder([shape(100), shape(25), shape(25)], 0, 1, weights=[1, 0.001, 0.001])
-    assert SampleOrder([shape(100), shape(25), shape(25)], 0, 1,
-                       weights=[1, 0.00676, 0.00676]).quotas == [148, 1, 1]
-    # one under a sample that the remainders round up is named too: the advice raises both
-    with pytest.raises(OrderError, match=re.escape(
-            "dataset 0 has weight 0.0012, a share of 0.44; dataset 1 has weight 0.00125, a "
-            "share of 0.46 of an epoch's 734 samples, under one sample each: drawn by the "
-            "rounding alone, or never. Give each a weight of at least 0.00274")):
-        SampleOrder([shape(216), shape(261), shape(257)], 0, 1, weights=[0.0012, 0.00125, 2])
-    assert SampleOrder([shape(216), shape(261), shape(257)], 0, 1,
-                       weights=[0.00274, 0.00274, 2]).quotas == [1, 1, 732]
+    # weights whose shares of an epoch round to no sample: never drawn, so refused with the
+    # least weight that draws one (of each, when all take it); that weight draws one of each
+    for kept, weights, said, least, quotas in [
+        # 0.4 / 39.6 of 40 samples; 1 / 39 of the others' 1
+        ([22, 18], [1, 0.01], "s3://b/speech has weight 0.01, a share of 0.40 of an epoch's 40 "
+         "samples, which rounds to none: it would never be drawn. Give it a weight of at least "
+         "0.0257 (one sample an epoch), or 0 to leave it out", [1, 0.0257], [39, 1]),
+        # several: said at once
+        ([100, 25, 25], [1, 0.001, 0.001], "dataset 1 has weight 0.001, a share of 0.15; "
+         "dataset 2 has weight 0.001, a share of 0.15 of an epoch's 150 samples, which round "
+         "to none: they would never be drawn. Give each a weight of at least 0.00676 (one "
+         "sample an epoch), or 0 to leave them out", [1, 0.00676, 0.00676], [148, 1, 1]),
+        # one under a sample that the remainders round up is named too: the advice raises both
+        ([216, 261, 257], [0.0012, 0.00125, 2], "dataset 0 has weight 0.0012, a share of "
+         "0.44; dataset 1 has weight 0.00125, a share of 0.46 of an epoch's 734 samples, "
+         "under one sample each: drawn by the rounding alone, or never. Give each a weight of "
+         "at least 0.00274", [0.00274, 0.00274, 2], [1, 1, 732])]:
+        datasets = [shape(n) for n in kept]
+        with pytest.raises(OrderError, match=re.escape(said)):
+            SampleOrder(datasets, 0, 1, weights=weights,
+                        names=["shards/images", "s3://b/speech"] if len(kept) == 2 else ())
+        assert SampleOrder(datasets, 0, 1, weights=least).quotas == quotas
 
 
 def test_dp_parts_tile_each_global_micro_batch():

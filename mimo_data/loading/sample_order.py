@@ -134,23 +134,23 @@ class SampleOrder:
         kept = [d.kept_count for d in self.datasets]
         self.epoch_length = sum(kept)
         self.quotas = kept if weights is None else _quotas(weights, kept)
-        unseen = False                  # a weighted dataset whose share rounds to no sample
         for i, (count, quota) in enumerate(zip(kept, self.quotas)):
             name = names[i] if names else f"dataset {i}"
             if quota and not count:
                 raise OrderError(f"{name} has weight {(weights or [])[i]} but preprocessing "
                                  "keeps none of its samples: give it weight 0 or fix its "
                                  "data/config")
-            unseen |= weights is not None and weights[i] > 0 and count > 0 and not quota
             if weights is None and not count and len(kept) > 1:     # a mix trained without it
                 raise OrderError(f"{name}: preprocessing keeps none of its samples "
                                  f"({len(self.datasets[i].kept)} read), so the mix would go "
                                  "without it: drop it from the list or fix its data/config "
                                  "(mimo-inspect report says why each was dropped)")
-        if unseen and weights is not None:      # each share under one sample said, and raised
-            under = [i for i, (w, count) in enumerate(zip(weights, kept))
-                     if w > 0 and count and w * self.epoch_length / sum(weights) < 1]
-            raise OrderError(_never_drawn(under, weights, self.epoch_length, names,
+        # weighted datasets under one sample an epoch: where one rounds to none, all are said
+        under = [] if weights is None else [
+            i for i, (w, count) in enumerate(zip(weights, kept))
+            if w > 0 and count and w * self.epoch_length / sum(weights) < 1]
+        if any(not self.quotas[i] for i in under):
+            raise OrderError(_never_drawn(under, weights or [], self.epoch_length, names,
                                           all(not self.quotas[i] for i in under)))
         if remainder == "drop":
             self.steps_per_epoch = self.epoch_length // global_batch_size
