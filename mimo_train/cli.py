@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 
+from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.runtime import console
@@ -39,16 +40,16 @@ def _parser() -> argparse.ArgumentParser:
         "128 + N stopped by signal N (train.exit_signals) with a checkpoint. "
         "Relative paths in the YAML are taken from its folder, those in overrides from the "
         "current directory.")
-    parser.add_argument("--config", metavar="YAML",
+    parser.add_argument("--config", type=user_path, metavar="YAML",
                         help="training config YAML (see mimo_train/config/ and "
                         "configs/train/)")
-    parser.add_argument("--preprocessing-for", metavar="VLM",
+    parser.add_argument("--preprocessing-for", type=user_path, metavar="VLM",
                         help="print the preprocessing config YAML that writes images as the "
                         "whole VLM at this directory (or cached hub name) expects, and exit")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value",
                         help="config overrides, values parsed as YAML, e.g. train.steps=50 "
                         "checkpoint.dir=runs/x")
-    parser.add_argument("--records", metavar="JSONL",
+    parser.add_argument("--records", type=user_path, metavar="JSONL",
                         help="write every train and eval record as JSON lines here (rank 0), "
                         "each as it is read; a run that resumes a checkpoint appends")
     return parser

@@ -21,9 +21,9 @@ LAYERS = {
     "mimo_train": [("errors", "precision", "checkpoint_folders"), ("runtime",), ("config",),
                    ("mcore",), ("families",), ("plan",), ("components", "model", "planning"),
                    ("training", "hf"), ("cli", "__main__", "inspect_cli")],
-    "mimo_data": [("errors", "files", "tally", "stats", "process_memory", "worker_pool", "hub",
-                   "interrupts", "forkserver_hook", "stdout"), ("modalities",), ("shards",),
-                  ("preprocess",), ("loading",), ("inspect",)]}
+    "mimo_data": [("errors", "arguments", "files", "tally", "stats", "process_memory",
+                   "worker_pool", "hub", "interrupts", "forkserver_hook", "stdout"),
+                  ("modalities",), ("shards",), ("preprocess",), ("loading",), ("inspect",)]}
 
 
 def _module_name(path: Path) -> str:

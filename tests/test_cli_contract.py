@@ -262,6 +262,11 @@ def test_hub_names_are_read_from_the_local_cache_without_a_request(capsys, monke
     expected = preprocessing_for(str(MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"))
     assert yaml.safe_load(out) == {**expected, "tokenizer": "Qwen/Qwen2-VL-2B-Instruct",
                                    "seq_length": 1024}
+    # a quoted '~/…' (the shell left the tilde) is the home folder's, as the YAML has it
+    os.environ["HOME"] = str(MODELS / "published")
+    assert main(["--preprocessing-for", "~/Qwen--Qwen2-VL-2B-Instruct"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["tokenizer"] == str(
+        MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct")
     # the layout advisor takes the hub name as --model (one clip's workload: no dataset)
     qwen_preprocess = tmp_path / "qwen2_vl.yaml"
     qwen_preprocess.write_text(out)
@@ -329,6 +334,42 @@ def test_inspect_failed_check_exits_1(capsys, tmp_path, text_dataset):
     code, err = _main(module, capsys, "report", text_dataset, "--config", config,
                       "--no-progress", "--min-trained-token-fraction", "0.99")
     assert code == 1 and "FAIL trained_token_fraction" in err
+
+
+@pytest.mark.parametrize("module, argv, paths", [
+    ("mimo_data.shards.cli", ["build", "~/a.json", "--output=~/out", "--media-root=~/m"],
+     {"inputs": ["~/a.json"], "output": "~/out", "media_root": "~/m"}),
+    ("mimo_data.shards.cli", ["index", "~/tars", "--output=~/idx"],
+     {"sources": ["~/tars"], "output": "~/idx"}),
+    ("mimo_data.shards.cli", ["cache", "~/d", "--cache-dir=~/c"],
+     {"directory": "~/d", "cache_dir": "~/c"}),
+    ("mimo_data.inspect.cli", ["report", "~/d", "--config=~/p.yaml", "--cache-dir=~/c",
+                               "--json=~/r.json", "--html=~/r.html"],
+     {"directory": "~/d", "config": "~/p.yaml", "cache_dir": "~/c", "json": "~/r.json",
+      "html": "~/r.html"}),
+    ("mimo_data.inspect.cli", ["plan", "~/d", "--config=~/p.yaml", "--model=~/vlm"],
+     {"model": "~/vlm"}),
+    ("mimo_train.cli", ["--config=~/t.yaml", "--records=~/r.jsonl"],
+     {"config": "~/t.yaml", "records": "~/r.jsonl"}),
+    ("mimo_train.cli", ["--preprocessing-for=~/vlm"], {"preprocessing_for": "~/vlm"}),
+    ("mimo_train.hf.export", ["--checkpoint=~/ckpt", "--output=~/out", "--base=~/vlm"],
+     {"checkpoint": "~/ckpt", "output": "~/out", "base": "~/vlm"}),
+    ("mimo_train.hf.generate", ["--model=~/out", "--prompt=~/x", "--image=~/a.jpg",
+                                "--video=~/v.mp4", "--audio=~/s.wav", "--base=~/vlm"],
+     {"model": "~/out", "image": ["~/a.jpg"], "video": ["~/v.mp4"], "audio": ["~/s.wav"],
+      "base": "~/vlm", "prompt": "~/x"}),
+], ids=["build", "index", "cache", "report", "plan", "train", "preprocessing-for", "export",
+        "generate"])
+def test_paths_given_with_a_tilde_are_the_home_folders(module, argv, paths):
+    """The shell leaves ``--output=~/x`` (and a quoted '~/x') as written: every path option
+    reads it as the home folder's, as the YAML configs do; text (the prompt) stays as typed."""
+    import importlib
+    args = vars(importlib.import_module(module)._parser().parse_args(argv))
+    home = {key: [os.path.expanduser(v) for v in value] if isinstance(value, list) else
+            value if key == "prompt" else os.path.expanduser(value)
+            for key, value in paths.items()}
+    assert {key: args[key] for key in paths} == home
+    assert all("~" not in str(value) for key, value in home.items() if key != "prompt")
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ import time
 # Only the light checks table here: the tokenizer, torch and pyarrow are imported once the
 # arguments are parsed, so that --help answers at once.
 from mimo_data.inspect.checks import CHECKS, Thresholds
+from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 
@@ -102,16 +103,17 @@ def _common(parser: argparse.ArgumentParser, directory_help: str | None = None,
             config_default: str | None = None) -> None:
     """The options every command takes (``directory_help``: the dataset is optional, so
     said; ``config_default``: where ``--config`` may be left out, what it then is)."""
-    parser.add_argument("directory", metavar="DIR", nargs="?" if directory_help else None,
+    parser.add_argument("directory", type=user_path, metavar="DIR",
+                        nargs="?" if directory_help else None,
                         help=directory_help or "dataset (directory or URL) built by "
                         "mimo-shard build")
-    parser.add_argument("--config", required=config_default is None, metavar="CFG",
+    parser.add_argument("--config", type=user_path, required=config_default is None, metavar="CFG",
                         help="preprocessing config YAML (the one training uses" +
                         (f"; default: {config_default})" if config_default else ")"))
     parser.add_argument("--no-token-cache", action="store_true",
                         help="tokenize every conversation whole instead of caching the pieces "
                         "between special tokens (slower; the tokens are the same)")
-    parser.add_argument("--cache-dir", metavar="CACHE",
+    parser.add_argument("--cache-dir", type=user_path, metavar="CACHE",
                         help="where the dataset's derived tables live when not beside it "
                         "(training's data.cache_dir; MIMO_CACHE_DIR wins over both): a "
                         "read-only dataset's report then reuses training's token table")
@@ -138,8 +140,10 @@ def _parser() -> argparse.ArgumentParser:
 
     r = commands.add_parser("report", help="dataset-wide checks; exit 1 if one fails")
     _common(r)
-    r.add_argument("--json", metavar="OUT", help="write the report as JSON ('-': stdout)")
-    r.add_argument("--html", metavar="OUT", help="write a self-contained HTML report")
+    r.add_argument("--json", type=user_path, metavar="OUT",
+                   help="write the report as JSON ('-': stdout)")
+    r.add_argument("--html", type=user_path, metavar="OUT",
+                   help="write a self-contained HTML report")
     r.add_argument("--limit", type=_positive(int), metavar="N", help="only the first N samples")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.add_argument("--recompute", action="store_true",
@@ -212,7 +216,8 @@ def _parser() -> argparse.ArgumentParser:
 
     c = commands.add_parser("checkpoint", help="a training run's checkpoints: their files "
                             "against their manifest, and what each holds (needs mimo_train)")
-    c.add_argument("directory", metavar="CKPT", help="a run's checkpoint.dir (checks the step "
+    c.add_argument("directory", type=user_path, metavar="CKPT",
+                   help="a run's checkpoint.dir (checks the step "
                    "its 'latest' names: what a resume loads) or one step_NNNNNNN folder")
     c.add_argument("--all", action="store_true", help="check every step folder of the "
                    "checkpoint.dir")
@@ -232,7 +237,7 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--gpus", type=_positive(int), metavar="N",
                    help="rank the layouts of the config's modules on N GPUs: memory per rank, "
                    "predicted step time, why")
-    a.add_argument("--model", metavar="MODEL",
+    a.add_argument("--model", type=user_path, metavar="MODEL",
                    help="the model: a training config YAML (model dims, precision, frozen "
                    "modules), a transformers checkpoint directory or its config.json")
     a.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100",

@@ -20,6 +20,7 @@ import argparse
 import re
 import sys
 
+from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
@@ -68,9 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                                      help="what to do (each has its own --help)")
 
     b = commands.add_parser("build", help="turn raw datasets into indexed WebDataset shards")
-    b.add_argument("inputs", nargs="+", metavar="INPUT",
+    b.add_argument("inputs", type=user_path, nargs="+", metavar="INPUT",
                    help="LLaVA/ShareGPT .json/.jsonl, .parquet, or speech manifest .jsonl")
-    b.add_argument("--output", "-o", required=True,
+    b.add_argument("--output", "-o", type=user_path, required=True,
                    help="dataset directory or URL (s3://bucket/prefix, any fsspec URL) to create")
     b.add_argument("--name", type=_shard_name, default="data",
                    help="shard name prefix (default: data)")
@@ -88,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--overwrite", action="store_true",
                    help="replace an existing dataset once the new one is complete (a failed "
                    "build leaves it whole)")
-    b.add_argument("--media-root", help="resolve relative media paths here "
+    b.add_argument("--media-root", type=user_path, help="resolve relative media paths here "
                    "(default: the folder of the input file)")
     b.add_argument("--input-format", choices=("auto", "llava", "manifest", "parquet"),
                    default="auto", help="format of every input (default auto: from the "
@@ -119,10 +120,11 @@ def _parser() -> argparse.ArgumentParser:
 
     x = commands.add_parser(
         "index", help="index existing WebDataset or Energon tars where they are (no rewrite)")
-    x.add_argument("sources", nargs="+", metavar="SRC",
+    x.add_argument("sources", type=user_path, nargs="+", metavar="SRC",
                    help="a folder of tars (an Energon dataset folder: its .nv-meta decides), "
                    "tar paths, globs or brace patterns (shard-{000..099}.tar); local or URLs")
-    x.add_argument("--output", "-o", help="local directory for the index and its tables "
+    x.add_argument("--output", "-o", type=user_path,
+                   help="local directory for the index and its tables "
                    "(default: a folder of the cache, printed); nothing is written beside the tars")
     x.add_argument("--layout", choices=("auto", "pairs", "conversation", "documents", "energon"),
                    default="auto", help="pairs: KEY.jpg + KEY.txt caption pairs (img2dataset); "
@@ -160,11 +162,13 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     i = commands.add_parser("info", help="summarize a built dataset")
-    i.add_argument("directory", help="dataset directory or URL written by mimo-shard build")
+    i.add_argument("directory", type=user_path,
+                   help="dataset directory or URL written by mimo-shard build")
     i.add_argument("--json", action="store_true", help="machine-readable output")
 
     v = commands.add_parser("verify", help="re-read and check every shard against the index")
-    v.add_argument("directory", help="dataset directory or URL written by mimo-shard build")
+    v.add_argument("directory", type=user_path,
+                   help="dataset directory or URL written by mimo-shard build")
     v.add_argument("--workers", type=_at_least(0), default=1,
                    help="processes checking shards in parallel (default 1)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -172,8 +176,10 @@ def _parser() -> argparse.ArgumentParser:
     c = commands.add_parser(
         "cache", help="list the tables derived from a dataset (sample table, token tables, "
         "reports) and remove the superseded ones")
-    c.add_argument("directory", help="dataset directory or URL written by mimo-shard build")
-    c.add_argument("--cache-dir", help="the cache directory training and mimo-inspect were "
+    c.add_argument("directory", type=user_path,
+                   help="dataset directory or URL written by mimo-shard build")
+    c.add_argument("--cache-dir", type=user_path,
+                   help="the cache directory training and mimo-inspect were "
                    "given (data.cache_dir / --cache-dir; MIMO_CACHE_DIR wins over it)")
     c.add_argument("--remove", action="store_true",
                    help="delete the superseded files (never a current one)")

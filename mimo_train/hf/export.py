@@ -65,6 +65,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
+from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
@@ -91,10 +92,10 @@ def _parser() -> argparse.ArgumentParser:
         "preprocessing config and a manifest (mimo-generate runs the result).",
         epilog="Exit codes: 0 written, 1 the checkpoint's data failed a check, 2 usage or "
         "config error.")
-    parser.add_argument("--checkpoint", required=True, metavar="CKPT_DIR",
+    parser.add_argument("--checkpoint", type=user_path, required=True, metavar="CKPT_DIR",
                         help="a step_* directory written by mimo_train, or a checkpoint.dir "
                         "(its latest checkpoint is exported)")
-    parser.add_argument("--output", required=True, metavar="OUT",
+    parser.add_argument("--output", type=user_path, required=True, metavar="OUT",
                         help="directory to create (it must not exist); written in a staging "
                         "directory beside it and renamed when complete")
     parser.add_argument("--adapters", action="store_true",
@@ -106,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
                         "as train.precision and mimo-generate name them; default: the base "
                         "checkpoint's, as its config.json names it; a LoRA run's --adapters: "
                         "the trained one)")
-    parser.add_argument("--base", metavar="DIR",
+    parser.add_argument("--base", type=user_path, metavar="DIR",
                         help="where the run's model.pretrained is now, moved since the run "
                         "(its tokenizer too where the run read it there); checked as the "
                         "recorded one: its weights' digest for --adapters, its weights' names "

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.hf.export import MANIFEST
@@ -73,18 +74,18 @@ def _parser() -> argparse.ArgumentParser:
         "model written by mimo-export (training's preprocessing, the encoders and "
         "projections, then the language model's generate).",
         epilog="Exit codes: 0 answered, 1 a media file failed a check, 2 usage or config error.")
-    parser.add_argument("--model", required=True, metavar="OUT",
+    parser.add_argument("--model", type=user_path, required=True, metavar="OUT",
                         help="directory written by mimo-export (holds manifest.json)")
     parser.add_argument("--prompt", required=True, metavar="TEXT",
                         help="the user's message; <image>/<video>/<audio> markers place the "
                         "files, "
                         "files without a marker go in front of it")
-    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+    parser.add_argument("--image", type=user_path, action="append", default=[], metavar="PATH",
                         help="an image file (repeatable, in marker order)")
-    parser.add_argument("--video", action="append", default=[], metavar="PATH",
+    parser.add_argument("--video", type=user_path, action="append", default=[], metavar="PATH",
                         help="a video file (repeatable, in marker order); its frames are "
                         "sampled as training samples them")
-    parser.add_argument("--audio", action="append", default=[], metavar="PATH",
+    parser.add_argument("--audio", type=user_path, action="append", default=[], metavar="PATH",
                         help="an audio file (repeatable, in marker order)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="most tokens to generate (default 64)")
@@ -98,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="render the generation prompt with the template's enable_thinking "
                         "false (Qwen3, Qwen3.5: the empty think block an answer without "
                         "reasoning trains after), not its default (thinking on)")
-    parser.add_argument("--base", metavar="DIR",
+    parser.add_argument("--base", type=user_path, metavar="DIR",
                         help="an export of LoRA adapters alone (mimo-export --adapters): "
                         "where their base model is now, when it moved from where "
                         "manifest.json's adapters.base says (its weights are checked against "
