@@ -6,6 +6,9 @@ drops, so that nothing is ever lost without a count.
 
 from __future__ import annotations
 
+import json
+from typing import IO
+
 FIRST_LOCATIONS = 5  # offending locations kept per reason
 
 
@@ -30,11 +33,14 @@ class Tally:
     ``names`` label the three totals in ``to_dict`` and ``summary`` (e.g. records read,
     samples written, records skipped); ``set_aside`` labels what ``set_aside`` counts: things
     met that are not items (a tar's members that belong to no sample), outside the totals.
+    ``every_skip``: a file that every skip is also written to, a JSON line each (``reason``,
+    ``location``, ``detail``): the list in full, where ``to_dict`` keeps the first few.
     """
 
     def __init__(self, seen: str = "seen", kept: str = "kept", skipped: str = "skipped",
-                 set_aside: str = "set_aside"):
+                 set_aside: str = "set_aside", every_skip: IO[str] | None = None):
         self.names = (seen, kept, skipped, set_aside)
+        self.every_skip = every_skip
         self.seen = 0
         self.kept = 0
         self.skipped: dict[str, dict] = {}
@@ -55,9 +61,15 @@ class Tally:
         self.skip_many(reason, 1, [(location, detail)])
 
     def skip_many(self, reason: str, count: int, first: list[tuple[str, str]]) -> None:
-        """``count`` skips for ``reason``, the first ones as ``(location, detail)``."""
+        """``count`` skips for ``reason``, the first ones as ``(location, detail)`` (every one,
+        where the skips are written to ``every_skip``)."""
         self.seen += count
         _add(self.skipped, reason, count, first)
+        if self.every_skip is not None:
+            assert len(first) == count, "every skip is listed: give all of them"
+            self.every_skip.writelines(
+                json.dumps({"reason": reason, "location": location, "detail": detail},
+                           ensure_ascii=False) + "\n" for location, detail in first)
 
     def set_aside(self, reason: str, location: str, detail: str) -> None:
         """One thing that is not an item, left out for ``reason`` (counted apart from the

@@ -257,7 +257,7 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
     assert lines[0] == (f"mimo-inspect report: FAIL skipped_records: 1 of {total} records "
                         f"({1 / total:.2%}) skipped by the build or index (missing_media 1), "
                         "above --max-skipped-records-fraction 0; "
-                        f"{directory / 'report.json'} names each"), lines[0]
+                        f"{directory / 'skipped.jsonl'} names each"), lines[0]
     # each key beside where the build read it and its id (the user's record, not a shard key)
     ids = {key: fault for fault, key in keys.items()}
     for line in lines[1:]:

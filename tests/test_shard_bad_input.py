@@ -640,16 +640,26 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     cases = [case_missing_media(tmp_path, assets), case_unknown_role(tmp_path, assets),
              case_missing_media(tmp_path, assets), case_truncated_png(tmp_path, assets)]
     records = [cases[0].record, good_records[0], cases[1].record, good_records[1],
-               cases[2].record, cases[3].record, good_records[2]]
+               cases[2].record, cases[3].record, good_records[2]] + [cases[0].record] * 5
     path = write_jsonl(tmp_path / "input.jsonl", records)
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
     assert code == 0, err
     report = read_json(tmp_path / "out" / "report.json")
     skipped = report["skipped_by_reason"]
     assert {reason: entry["count"] for reason, entry in skipped.items()} == {
-        "missing_media": 2, "unknown_role": 1, "corrupt_image": 1}
-    assert [f["location"] for f in skipped["missing_media"]["first"]] == [f"{path}:1", f"{path}:5"]
-    assert report["records_skipped"] == 4 and report["samples_written"] == 3
+        "missing_media": 7, "unknown_role": 1, "corrupt_image": 1}
+    assert [f["location"] for f in skipped["missing_media"]["first"]] == [
+        f"{path}:{line}" for line in (1, 5, 8, 9, 10)]      # the first five
+    assert report["records_skipped"] == 9 and report["samples_written"] == 3
+    # skipped.jsonl lists every one, in input order, as the summary line says
+    every = [json.loads(line) for line in (tmp_path / "out" / "skipped.jsonl").open()]
+    assert [(entry["reason"], entry["location"]) for entry in every] == [
+        ("missing_media", f"{path}:1"), ("unknown_role", f"{path}:3"),
+        ("missing_media", f"{path}:5"), ("corrupt_image", f"{path}:6")] + [
+        ("missing_media", f"{path}:{line}") for line in range(8, 13)]
+    assert all(entry["detail"] for entry in every)
+    assert f"(see {tmp_path / 'out' / 'report.json'}; skipped.jsonl beside it lists every " \
+        "skipped record)" in err, err
     assert [row["id"] for row in samples_table(tmp_path / "out")] == ["good-1", "good-2", "good-3"]
     # every record skipped: its report is written, no dataset (the work is not done), and
     # the build of the fixed data goes to the same output without --overwrite

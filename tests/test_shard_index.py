@@ -708,17 +708,20 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
         "skipped_by_reason"]["excluded_by_split_yaml"]
     assert excluded["count"] == 2
     assert excluded["first"][0]["location"] == "shards/shard_000000.tar:000000001"
+    assert [(entry["reason"], entry["location"]) for entry in map(json.loads, (
+        tmp_path / "idx" / "skipped.jsonl").open())] == [
+        ("excluded_by_split_yaml", f"shards/shard_000000.tar:00000000{n}") for n in (1, 2)]
     # mimo-inspect report counts them apart: the dataset's own choice fails no check (an
     # index that records no count, older than the check, neither)
     from mimo_data.inspect.checks import Thresholds
     from mimo_data.inspect.report import skipped_records
-    check = skipped_records(str(tmp_path / "idx"), reader.index["report"], Thresholds())
+    check = skipped_records(str(tmp_path / "idx"), reader.index, Thresholds())
     assert check["passed"] and check["count"] == 0 and check["excluded_by_split_yaml"] == 2
     assert check["message"].endswith("within --max-skipped-records-fraction 0; 2 more left "
                                      "out by its split.yaml's excludes"), check["message"]
     assert skipped_records(str(tmp_path / "idx"), {}, Thresholds())["passed"]
     (tmp_path / "idx" / "report.json").rename(tmp_path / "report.json")   # not copied along
-    assert skipped_records(str(tmp_path / "idx"), reader.index["report"], Thresholds())[
+    assert skipped_records(str(tmp_path / "idx"), reader.index, Thresholds())[
         "excluded_by_split_yaml"] == 2
     (tmp_path / "report.json").rename(tmp_path / "idx" / "report.json")
     # a whole tar excluded: left out, and said

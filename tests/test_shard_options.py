@@ -152,7 +152,8 @@ def test_existing_dataset_needs_overwrite(capsys, tmp_path, corpus_build, small_
     assert [s["id"] for s in sample_records(out)] == [r["id"] for r in good_records]
     assert len(shard_paths(out)) == 1
     assert sorted(os.listdir(out)) == [".mimo-cache", "data-000000.tar", "index.json",
-                                       "notes.txt", "report.json", "samples.parquet"]
+                                       "notes.txt", "report.json", "samples.parquet",
+                                       "skipped.jsonl"]
 
 
 def test_foreign_files_block_the_build_and_stay(capsys, tmp_path, small_input):

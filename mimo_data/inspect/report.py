@@ -77,8 +77,8 @@ from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shards import cache, storage
 from mimo_data.preprocess.record_kinds import trains_as
 from mimo_data.shards.sources import location
-from mimo_data.shards.format import (RECORD_KINDS, REPORT_FILE, SPLIT_EXCLUDED, ShardRecord,
-                                     summary_column)
+from mimo_data.shards.format import (RECORD_KINDS, REPORT_FILE, SKIPPED_FILE, SPLIT_EXCLUDED,
+                                     ShardRecord, summary_column)
 from mimo_data.shards.info import skipped_counts
 from mimo_data.shards.index import DatasetError, read_samples
 from mimo_data.shards.reader import ShardReader
@@ -533,7 +533,7 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
             if isinstance(record := _read_record(named, position), dict) else "")
     finally:
         named.close()
-    skipped = skipped_records(directory, reader.index.get("report", {}), thresholds)
+    skipped = skipped_records(directory, reader.index, thresholds)
     report_dict["checks"].insert(0, skipped)
     report_dict["passed"] = report_dict["passed"] and skipped["passed"]
     assert builder.table is not None
@@ -555,10 +555,14 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
     return report
 
 
-def skipped_records(directory: str, built: dict, thresholds: Thresholds) -> dict:
+def skipped_records(directory: str, index: dict, thresholds: Thresholds) -> dict:
     """The check of the records ``mimo-shard build`` or ``index`` skipped before any sample
-    was written (``built``: index.json's ``report``): they are in no shard, so no other check
-    sees them."""
+    was written (``index``: the dataset's index.json): they are in no shard, so no other
+    check sees them."""
+    built = index.get("report", {})
+    # every one in skipped.jsonl; a dataset written before it, the first few in report.json
+    names = f"{storage.join(directory, SKIPPED_FILE)} names each" if SKIPPED_FILE in \
+        index.get("files", {}) else f"{storage.join(directory, REPORT_FILE)} names the first"
     read, skipped = int(built.get("records_read", 0)), int(built.get("records_skipped", 0))
     counts = skipped_counts(directory, built)
     # an Energon split.yaml's excludes are the dataset's own choice, counted but not failed
@@ -573,7 +577,7 @@ def skipped_records(directory: str, built: dict, thresholds: Thresholds) -> dict
     said = (f"skipped_records: {skipped} of {read} records ({fraction:.2%}) skipped by the "
             f"build or index{reasons}, {'within' if passed else 'above'} "
             f"--max-skipped-records-fraction {limit:g}" +
-            (f"; {storage.join(directory, REPORT_FILE)} names each" if skipped else "") +
+            (f"; {names}" if skipped else "") +
             (f"; {chosen} more left out by its split.yaml's excludes" if chosen else "")
             if read else "skipped_records: the dataset's index records no count of the "
             "records its build read (written before it did)")
@@ -581,7 +585,8 @@ def skipped_records(directory: str, built: dict, thresholds: Thresholds) -> dict
             "fraction": fraction, "limit": limit, "limit_kind": "fraction",
             "flag": "--max-skipped-records-fraction", "by_reason": counts,
             "excluded_by_split_yaml": chosen, "keys": [],
-            "what": "records the build or index skipped (in no shard: report.json names them)",
+            "what": "records the build or index skipped (in no shard: skipped.jsonl names "
+                    "them)",
             "message": said}
 
 

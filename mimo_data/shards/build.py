@@ -43,7 +43,8 @@ from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (CLAIM_FILE, CLAIM_PROBE, FORMAT_NAME, FORMAT_VERSION,
                                     INDEX_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
-                                    STAGING_DIR, index_fields, sample_key, summary_column)
+                                    SKIPPED_FILE, STAGING_DIR, index_fields, sample_key,
+                                    summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import ParquetTable, SpeechManifest, Task, open_source
@@ -75,6 +76,7 @@ class BuildOptions:
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
 _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report(\.failed)?\.json"
+                       rf"|{re.escape(SKIPPED_FILE)}"
                        rf"|\.staging|\.mimo-cache|{re.escape(CLAIM_FILE)}|{re.escape(CLAIM_PROBE)}[0-9a-f]+"
                        r")$")
 _SHARD_FILE = re.compile(r"^.+-\d{6}\.tar$")
@@ -393,7 +395,7 @@ def _remove_uploaded(remote: storage.Remote, uploaded: list[str]) -> None:
 
 
 def _say_built(index: dict, summary: str, output: str, report: str, replacing: bool) -> None:
-    see = f" (see {report})" if index["report"]["records_skipped"] else ""
+    see = swap.see_report(report, index)
     if replacing and not index["totals"]["samples"]:
         see += f"; the dataset at {output} is as it was"
     print(f"mimo-shard: {summary} in {index['totals']['shards']} shard(s) → {output}{see}",
@@ -430,49 +432,52 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
     policy = MediaPolicy(options.max_image_pixels, options.check,
                          defer_files=options.workers > 0, markers_first=options.markers_first,
                          frames_fps=options.frames_fps)
-    report = Tally("records_read", "samples_written", "records_skipped")
-    per_input = _InputCounts(list(inputs))
-    shards = ShardSet(staging, options.name, options.max_samples_per_shard,
-                      options.max_shard_bytes, shard_done)
-    table = _SamplesTable(os.path.join(staging, SAMPLES_FILE))
-    records = RecordWriter(os.path.join(staging, "records.arrows"))
-    seen_ids = task_stream.IdRegistry()   # hashes, not strings: no Python object per sample
-    for result in _results(per_input.sent(iter(tasks)), sources, policy, options.workers):
-        progress.update()
-        source = per_input.next_result()
-        taken = seen_ids.first(result.id) if isinstance(result, Prepared) and \
-            result.id is not None else None
-        if isinstance(result, Prepared) and taken is not None:
-            result = Rejected("duplicate_id", result.location,
-                              f"id {result.id!r} was already taken by {taken[1]}"
-                              + _duplicate_hint(taken[0], result.source))
-        if isinstance(result, Prepared):
-            try:
-                payloads = result.media_bytes()
-            except RecordError as exc:
-                result = Rejected(exc.reason, result.location, exc.detail)
-        if isinstance(result, Rejected):
-            if options.strict:
-                raise StrictStop(f"{result.location}: {result.reason}: {result.detail} "
-                                 "(--strict stops at the first bad record)")
-            report.skip(result.reason, result.location, result.detail)
-            continue
-        if result.id is not None:
-            seen_ids.add(result.id, result.source)
-        key = sample_key(report.kept)
-        sample = {"key": key, "id": result.id, "source": result.source,
-                  **({"messages": result.messages} if result.kind == "conversation" else
-                     {"kind": result.kind, "text": result.text}),
-                  "media": result.media}
-        members = {"json": json.dumps(sample, ensure_ascii=False).encode("utf-8")}
-        members.update((m["member"], data) for m, data in zip(result.media, payloads))
-        shard, member_records = shards.add(key, members)
-        table.add(key, shard, result, member_records)
-        records.add(members["json"])
-        report.keep()
-        per_input.written[source] += 1
-        for name, number in result.counts.items():
-            report.count(name, number)
+    # every skip in full beside the report (which names the first few of each reason)
+    with open(os.path.join(staging, SKIPPED_FILE), "w", encoding="utf-8") as every_skip:
+        report = Tally("records_read", "samples_written", "records_skipped",
+                       every_skip=every_skip)
+        per_input = _InputCounts(list(inputs))
+        shards = ShardSet(staging, options.name, options.max_samples_per_shard,
+                          options.max_shard_bytes, shard_done)
+        table = _SamplesTable(os.path.join(staging, SAMPLES_FILE))
+        records = RecordWriter(os.path.join(staging, "records.arrows"))
+        seen_ids = task_stream.IdRegistry()     # hashes, not strings: no object per sample
+        for result in _results(per_input.sent(iter(tasks)), sources, policy, options.workers):
+            progress.update()
+            source = per_input.next_result()
+            taken = seen_ids.first(result.id) if isinstance(result, Prepared) and \
+                result.id is not None else None
+            if isinstance(result, Prepared) and taken is not None:
+                result = Rejected("duplicate_id", result.location,
+                                  f"id {result.id!r} was already taken by {taken[1]}"
+                                  + _duplicate_hint(taken[0], result.source))
+            if isinstance(result, Prepared):
+                try:
+                    payloads = result.media_bytes()
+                except RecordError as exc:
+                    result = Rejected(exc.reason, result.location, exc.detail)
+            if isinstance(result, Rejected):
+                if options.strict:
+                    raise StrictStop(f"{result.location}: {result.reason}: {result.detail} "
+                                     "(--strict stops at the first bad record)")
+                report.skip(result.reason, result.location, result.detail)
+                continue
+            if result.id is not None:
+                seen_ids.add(result.id, result.source)
+            key = sample_key(report.kept)
+            sample = {"key": key, "id": result.id, "source": result.source,
+                      **({"messages": result.messages} if result.kind == "conversation" else
+                         {"kind": result.kind, "text": result.text}),
+                      "media": result.media}
+            members = {"json": json.dumps(sample, ensure_ascii=False).encode("utf-8")}
+            members.update((m["member"], data) for m, data in zip(result.media, payloads))
+            shard, member_records = shards.add(key, members)
+            table.add(key, shard, result, member_records)
+            records.add(members["json"])
+            report.keep()
+            per_input.written[source] += 1
+            for name, number in result.counts.items():
+                report.count(name, number)
     progress.close()
     shard_list = shards.close()
     table.close()
@@ -482,7 +487,8 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         print(line, file=sys.stderr)
     index = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": options.name,
-        **index_fields(staging, shard_list, report, (SAMPLES_FILE, REPORT_FILE)),
+        **index_fields(staging, shard_list, report,
+                       (SAMPLES_FILE, REPORT_FILE, SKIPPED_FILE)),
         "build": {"inputs": list(inputs),
                   **{k: v for k, v in asdict(options).items() if k not in ("progress", "workers",
                                                                            "overwrite")}},

@@ -8,8 +8,10 @@ A dataset directory holds:
 - ``samples.parquet``: one row per sample (see ``SAMPLES_SCHEMA``): key, shard, byte offset and
   size of every member's data inside its tar, media metadata. Random access and exact counts
   without opening a tar.
-- ``report.json``: the build report (records read / written / skipped by reason, and
-  what each input gave).
+- ``report.json``: the build report (records read / written / skipped by reason with the
+  first few locations, and what each input gave).
+- ``skipped.jsonl``: every skipped record, a JSON line each in the order read: ``reason``,
+  ``location`` (``file:line``, ``file#row``; ``tar:KEY`` for an index in place), ``detail``.
 - ``.mimo-cache/``: tables derived from the rest (``shards/cache.py``): the memory-mapped sample
   table (``sample_table.py``), the records table (``record_table.py``: every ``KEY.json``,
   what remote readers read records from), token tables per preprocessing config
@@ -186,6 +188,7 @@ READ_VERSIONS = (FORMAT_VERSION, INDEXED_VERSION)
 INDEX_FILE = "index.json"
 SAMPLES_FILE = "samples.parquet"
 REPORT_FILE = "report.json"
+SKIPPED_FILE = "skipped.jsonl"              # every skipped record (report.json: the first few)
 FAILED_REPORT_FILE = "report.failed.json"   # a run that kept no sample, beside an old dataset
 RECORDS_FILE = "records.parquet"   # indexed in place only
 STAGING_DIR = ".staging"

@@ -38,8 +38,8 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, claim, energon, sample_table, storage, swap
 from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, FORMAT_NAME, INDEX_FILE,
                                     INDEXED_VERSION, RECORDS_FILE, REPORT_FILE, SAMPLES_FILE,
-                                    SAMPLES_SCHEMA, SPLIT_EXCLUDED, STAGING_DIR, VIDEOS_ROTATED,
-                                    index_fields, summary_column)
+                                    SAMPLES_SCHEMA, SKIPPED_FILE, SPLIT_EXCLUDED, STAGING_DIR,
+                                    VIDEOS_ROTATED, index_fields, summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, synthesize
 from mimo_data.shards import record_table
@@ -53,8 +53,8 @@ from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 from mimo_data.tally import Tally
 
 _BATCH = 8192                 # rows written to samples.parquet / records.parquet at a time
-_OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, FAILED_REPORT_FILE, STAGING_DIR,
-        cache.DATASET_CACHE, CLAIM_FILE}
+_OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, SKIPPED_FILE, FAILED_REPORT_FILE,
+        STAGING_DIR, cache.DATASET_CACHE, CLAIM_FILE}
 
 
 @dataclass
@@ -327,8 +327,8 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
          "every tar), index them with --keys-per-tar (each sample's key read as TAR/KEY); "
          "tars of separate downloads that number keys alike: index each alone and train on "
          "the indexes together, data.datasets: [A, B]")
-        for shard, key in zip(dropped.column("shard").to_pylist()[:5],
-                              dropped.column("key").to_pylist()[:5])])
+        for shard, key in zip(dropped.column("shard").to_pylist(),
+                              dropped.column("key").to_pylist())])
     return Counter(dropped.column("shard").to_pylist())
 
 
@@ -490,8 +490,7 @@ def _index_claimed(source: Source, output: str, named: str, options: IndexOption
         return built, (summary, rate)
     built, (summary, rate), report = swap.write_in_place(output, named, old, IndexInputError,
                                                          written)
-    see = f" (see {report})" if built["report"]["records_skipped"] or \
-        built["report"].get("members_ignored") else ""
+    see = swap.see_report(report, built)
     if old and not built["totals"]["samples"]:
         see += f"; the index at {output} is as it was"
     say(f"{summary} in {len(built['shards'])} tar(s) at {source.root} → {output}{see}")
@@ -507,37 +506,40 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
                  storage_options, energon.excluded_keys(name, source.sample_excludes),
                  source.detected_from, options.keys_per_tar)
             for name in source.shards]
-    report = Tally("records_read", "samples_written", "records_skipped", "members_ignored")
-    tables = _Tables(staging)
-    shards: list[dict[str, Any]] = []
-    busy, read = 0.0, 0
-    progress = tqdm(total=len(jobs), unit="tar", desc="index", disable=not options.progress,
-                    file=sys.stderr)
-    walked: dict[str, int] = {}       # samples each tar holds
-    for result in _results(jobs, options.workers):
-        progress.update()
-        walked[result.name] = result.samples
-        tables.add(result)
-        report.keep(len(result.rows))
-        for name, number in result.counts.items():
-            report.count(name, number)
-        if options.strict and result.skips:
-            _stop_strict(*result.skips[0])
-        for reason, where, detail in result.skips:
-            report.skip(reason, where, detail)
-        for reason, where, detail in result.members_aside:
-            report.set_aside(reason, where, detail)
-        shards.append({"name": result.name, "samples": len(result.rows),
-                       "bytes": result.walked.bytes, "sha256": result.walked.sha256})
-        busy += result.seconds
-        read += result.walked.bytes
-    progress.close()
-    _check_counts(source, walked)
-    tables.close()
-    dropped = _drop_duplicate_keys(staging, report, source, storage_options)
-    if options.strict and dropped:
-        first = report.skipped["duplicate_key"]["first"][0]
-        _stop_strict("duplicate_key", first["location"], first["detail"])
+    # every skip in full beside the report (which names the first few of each reason)
+    with open(os.path.join(staging, SKIPPED_FILE), "w", encoding="utf-8") as every_skip:
+        report = Tally("records_read", "samples_written", "records_skipped",
+                       "members_ignored", every_skip)
+        tables = _Tables(staging)
+        shards: list[dict[str, Any]] = []
+        busy, read = 0.0, 0
+        progress = tqdm(total=len(jobs), unit="tar", desc="index", disable=not options.progress,
+                        file=sys.stderr)
+        walked: dict[str, int] = {}       # samples each tar holds
+        for result in _results(jobs, options.workers):
+            progress.update()
+            walked[result.name] = result.samples
+            tables.add(result)
+            report.keep(len(result.rows))
+            for name, number in result.counts.items():
+                report.count(name, number)
+            if options.strict and result.skips:
+                _stop_strict(*result.skips[0])
+            for reason, where, detail in result.skips:
+                report.skip(reason, where, detail)
+            for reason, where, detail in result.members_aside:
+                report.set_aside(reason, where, detail)
+            shards.append({"name": result.name, "samples": len(result.rows),
+                           "bytes": result.walked.bytes, "sha256": result.walked.sha256})
+            busy += result.seconds
+            read += result.walked.bytes
+        progress.close()
+        _check_counts(source, walked)
+        tables.close()
+        dropped = _drop_duplicate_keys(staging, report, source, storage_options)
+        if options.strict and dropped:
+            first = report.skipped["duplicate_key"]["first"][0]
+            _stop_strict("duplicate_key", first["location"], first["detail"])
     for shard in shards:                                    # duplicates across tars dropped
         shard["samples"] -= dropped[shard["name"]]
     write_atomic(os.path.join(staging, REPORT_FILE), dumps(report.to_dict()))
@@ -545,7 +547,8 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         "format": FORMAT_NAME, "version": INDEXED_VERSION,
         "name": options.name or storage.name_of(source.root),
         "shard_root": source.root,
-        **index_fields(staging, shards, report, (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)),
+        **index_fields(staging, shards, report,
+                       (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, SKIPPED_FILE)),
         "build": {"command": "index", "inputs": list(source.given or [source.root]),
                   **_settings(source, options)},
     }

@@ -13,7 +13,7 @@ import pyarrow as pa
 
 from mimo_data.shards import cache, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS,
-                                     REPORT_FILE, SAMPLES_FILE, STAGING_DIR)
+                                     REPORT_FILE, SAMPLES_FILE, SKIPPED_FILE, STAGING_DIR)
 from mimo_data.shards.energon import META as ENERGON_META
 
 
@@ -113,7 +113,7 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
                                " says why: fix the inputs (or the options) and run it again"
                                ) from None
         inputs = sorted(name for name in names or () if name.lower().endswith(_INPUTS)
-                        and name not in (SAMPLES_FILE, REPORT_FILE)     # a build's own
+                        and name not in (SAMPLES_FILE, REPORT_FILE, SKIPPED_FILE)  # a build's
                         and not name.startswith("."))                   # a tool's own
         if inputs and not {SAMPLES_FILE, REPORT_FILE, STAGING_DIR} & set(names or ()) and \
                 not any(name.endswith(".tar") for name in names or ()):

@@ -26,7 +26,7 @@ from typing import Any
 from mimo_data.files import write_atomic
 from mimo_data.shards import storage
 from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, INDEX_FILE, REPORT_FILE,
-                                     STAGING_DIR)
+                                     SKIPPED_FILE, STAGING_DIR)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.stops import OutputFull
 
@@ -119,6 +119,19 @@ def into_folder(folder: str, staging: str, samples: int, old: list[str]) -> str:
         os.replace(os.path.join(staging, name), os.path.join(folder, name))
     os.rmdir(staging)
     return os.path.join(folder, REPORT_FILE)
+
+
+def see_report(report: str, index: dict) -> str:
+    """What a run's summary line says of its ``report`` (the path or URL ``into_folder`` or
+    ``into_prefix`` gave) where it skipped records or set members aside: the report, and
+    beside it the list of every skipped record where samples were kept (a run that kept none
+    leaves its report alone); "" where it did neither."""
+    built = index["report"]
+    if not built["records_skipped"] and not built.get("members_ignored"):
+        return ""
+    every = f"; {SKIPPED_FILE} beside it lists every skipped record" if \
+        built["records_skipped"] and index["totals"]["samples"] else ""
+    return f" (see {report}{every})"
 
 
 def clear_prefix(remote: storage.Remote, output: str, names: list[str]) -> list[str]:
