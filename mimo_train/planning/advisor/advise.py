@@ -137,7 +137,7 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
     results = [advisor.evaluate(candidate) for candidate in tqdm(
         tried, desc="mimo-inspect plan", unit=" candidates",
         disable=None if request.progress else True, file=sys.stderr, leave=False)]
-    ranked = rank(results, str(yours) if yours is not None else None)
+    ranked = rank(results, yours)
     dropped = sorted((r for r in results if not r.fits), key=lambda r: r.peak_bytes)
     # a layout's settings that change nothing of its fullest rank shown once
     dropped = list({(str(r.candidate.layout), round(r.peak_bytes)): r for r in reversed(

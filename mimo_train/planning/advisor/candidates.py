@@ -224,17 +224,38 @@ def _refusals(model: Model, layout: Layout, settings: mem.Settings, packing: boo
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 
 
-def rank(results: list[Result], yours: str | None = None) -> list[Result]:
+def rank(results: list[Result], yours: Layout | None = None) -> list[Result]:
     """Fitting results, best first, one per layout (its best settings); of equal ones, the
-    layout ``yours`` first (the same modules in another order cost the same)."""
+    layout ``yours`` first, and one that is yours in another module order (offsets moved
+    along), costing the same, left out: the same layout is shown once, as you wrote it."""
+    mine = str(yours) if yours is not None else None
     ordered = sorted((r for r in results if r.fits), key=lambda r: (
         round(r.step_s, 9), RECOMPUTE_ORDER[r.candidate.settings.recompute],
         RECOMPUTE_ORDER[r.candidate.settings.towers], r.candidate.settings.distributed_optimizer,
-        r.candidate.settings.split_media, r.peak_bytes, str(r.candidate.layout) != yours))
+        r.candidate.settings.split_media, r.peak_bytes, str(r.candidate.layout) != mine))
+    best_mine = next((r for r in ordered if str(r.candidate.layout) == mine), None)
     seen, found = set(), []
     for r in ordered:
         key = str(r.candidate.layout)
-        if key not in seen:
-            seen.add(key)
-            found.append(r)
+        if key in seen:
+            continue
+        seen.add(key)
+        if best_mine is not None and key != mine and _reordered(r, best_mine):
+            continue
+        found.append(r)
     return found
+
+
+def _reordered(result: Result, yours: Result) -> bool:
+    """Whether ``result`` is ``yours`` with its modules in another order: the same modules'
+    parallelism, modalities and sharing of ranks, and the same best settings, step time and
+    memory (a module's offset can move it across a node's edge: then it costs otherwise)."""
+    def form(layout: Layout) -> tuple:
+        ranges = {m.name: (m.rank_offset, m.size) for m in layout.modules}
+        return (sorted((m.name, m.tp, m.cp, m.pp, m.dp, m.ep, m.etp or m.tp)
+                       for m in layout.modules), layout.modalities,
+                sorted(sorted(n for n in ranges if ranges[n] == r) for r in ranges.values()))
+    return (form(result.candidate.layout) == form(yours.candidate.layout)
+            and result.candidate.settings == yours.candidate.settings
+            and round(result.step_s, 9) == round(yours.step_s, 9)
+            and result.peak_bytes == yours.peak_bytes)
