@@ -819,6 +819,31 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
         assert http.requests == {"HEAD": shards}, dict(http.paths)
         reader.close()
         assert not storage.Remote(url).exists(f"{url}/no-such.tar")        # a 404: absent
+        code, out, err = cli_main(capsys, "info", url, "--json")
+        assert code == 0, err
+        remote = json.loads(out)
+        code, out, err = cli_main(capsys, "info", built.local, "--json")
+        assert code == 0, err
+        local = json.loads(out)
+        assert remote.pop("directory") == url
+        local.pop("directory")
+        assert remote == local
+        code, out, err = cli_main(capsys, "verify", url, "--no-progress")
+        assert code == 0 and "OK" in out, err
+        # a shard the server refuses (a signed URL expired): access denied, at once, short
+        shard = shard_paths(built.local)[0].name
+        http.denied.add(f"{built.local.name}/{shard}")
+        for call, asked in ((lambda: storage.Remote(url).exists(f"{url}/{shard}"),
+                             {"HEAD": 1, "GET": 1}),     # fsspec's look-up: a HEAD, a GET
+                            (lambda: storage.Remote(url).read_range(f"{url}/{shard}", 512, 100),
+                             {"GET": 1})):
+            http.reset_counters()
+            with pytest.raises(StorageError, match=r": access denied \(HTTP 403 Forbidden\): "
+                               "the server refuses this URL") as caught:
+                call()
+            assert "RequestInfo" not in str(caught.value)
+            assert http.requests == asked, dict(http.paths)                  # no retry
+        http.denied.clear()
         # a build into an HTTP URL: refused at once, no request made (HTTP is read here)
         http.reset_counters()
         code, _, err = cli_main(capsys, "build", str(CORPUS_DIR / INPUTS[0]), "-o",
@@ -850,20 +875,15 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
     with pytest.raises(StorageError, match="looking up http://127.0.0.1:9/ds/x.tar: failed 2 "
                        "times, last with ConnectionError"):
         storage.Remote("http://127.0.0.1:9/ds").exists("http://127.0.0.1:9/ds/x.tar")
-
-        code, out, err = cli_main(capsys, "info", url, "--json")
-        assert code == 0, err
-        remote = json.loads(out)
-        code, out, err = cli_main(capsys, "info", built.local, "--json")
-        assert code == 0, err
-        local = json.loads(out)
-        assert remote.pop("directory") == url
-        local.pop("directory")
-        assert remote == local
-
-        code, out, err = cli_main(capsys, "verify", url, "--no-progress")
-        assert code == 0, err
-        assert "OK" in out
+    # a server that takes the connection and never answers: each try ends at the timeout,
+    # said as such (aiohttp's own default waits five minutes, its error text empty)
+    import socket
+    monkeypatch.setattr(storage, "HTTP_TIMEOUT_S", 0.3)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        stalled = f"http://127.0.0.1:{silent.getsockname()[1]}/ds"
+        with pytest.raises(StorageError, match=rf"reading {stalled}/index.json: failed 2 times, "
+                           "last with FSTimeoutError: no answer in time"):
+            storage.Remote(stalled).read(f"{stalled}/index.json")
 
 
 def test_a_failed_builds_shards_left_in_a_store_that_refuses_are_named_without_retrying_each(

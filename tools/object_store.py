@@ -318,7 +318,7 @@ class _Handler(BaseHTTPRequestHandler):
 class LocalHTTP:
     """A local directory served read-only over HTTP/1.1 on 127.0.0.1 (GET and HEAD, single
     byte ranges answered 206); a context manager. `requests` counts requests by method,
-    `paths` by "METHOD /path".
+    `paths` by "METHOD /path"; the paths in `denied` ("folder/name") are answered 403.
 
         with LocalHTTP(directory) as http:
             fsspec.filesystem("http").cat_file(f"{http.url}/name", start=0, end=10)
@@ -328,6 +328,7 @@ class LocalHTTP:
         self.root = Path(root).resolve()
         self.requests: Counter[str] = Counter()
         self.paths: Counter[str] = Counter()
+        self.denied: set[str] = set()
         self.url = ""
         self._lock = threading.Lock()
         self._server: _FileServer | None = None
@@ -400,6 +401,10 @@ class _FileHandler(BaseHTTPRequestHandler):
     def _serve(self) -> None:
         owner = cast(_FileServer, self.server).owner
         owner._count(self.command, self.path)
+        if urllib.parse.unquote(urllib.parse.urlsplit(self.path).path).lstrip("/") in \
+                owner.denied:
+            self._reply(403, 0, {})
+            return
         path = owner._file(self.path)
         if path is None:
             body = b"not found\n"

@@ -38,6 +38,10 @@ ATTEMPTS = 6                      # tries of one remote call, the first included
 BACKOFF_S = 0.2                   # first wait; doubled per retry (jittered), at most MAX_WAIT_S
 MAX_WAIT_S = 8.0
 THREADS = 8                       # look-ups in flight at once where each object is looked up
+# HTTP(S): seconds to connect, and between two chunks of a reply, before a try fails (aiohttp's
+# own default waits 5 minutes in silence on a server that accepts and never answers); S3's
+# client (botocore) waits 60 s for each
+HTTP_TIMEOUT_S = 60.0
 RETRIES: Counter[str] = Counter()  # retried calls by cause, in this process
 _RETRIES_LOCK = threading.Lock()
 
@@ -142,9 +146,33 @@ def name_of(location: str) -> str:
         os.path.basename(os.path.abspath(local_path(location)))
 
 
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status of an HTTP client's reply error (aiohttp's), or of the one it wraps."""
+    for error in (exc, exc.__cause__):
+        status = getattr(error, "status", None)
+        if isinstance(status, int) and type(error).__module__.split(".")[0] == "aiohttp":
+            return status
+    return None
+
+
+def _said(exc: BaseException) -> str:
+    """What ``exc`` says: an HTTP reply's status and reason alone (not the client's whole
+    request), a timeout's (whose text is empty) that no answer came in time."""
+    status = _http_status(exc)
+    if status is not None:
+        reason = getattr(exc, "message", None) or getattr(exc.__cause__, "message", "")
+        return f"HTTP {status} {reason}".rstrip()
+    if not str(exc).strip() and "Timeout" in type(exc).__name__:
+        return "no answer in time"
+    return str(exc).rstrip(".")
+
+
 def _transient(exc: BaseException) -> bool:
     if isinstance(exc, _PERMANENT):
         return False
+    status = _http_status(exc)
+    if status is not None:          # a server error, throttling or a request timeout
+        return status >= 500 or status in (408, 429)
     if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
         return True
     # client libraries' own error types (aiohttp, botocore, urllib3, requests)
@@ -168,6 +196,11 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
             if type(exc).__name__ == "ProfileNotFound":
                 raise StorageError(f"{what}: {exc}: check AWS_PROFILE (or the profile of "
                                    "storage_options)") from exc
+            if _http_status(exc) in (401, 403):
+                raise StorageError(
+                    f"{what}: access denied ({_said(exc)}): the server refuses this URL (a "
+                    "signed URL expired, or it wants credentials: give the headers it asks "
+                    "for as the storage options' client_kwargs: {headers: {...}})") from exc
             if isinstance(exc, PermissionError) or type(exc).__name__ in _NO_CREDENTIALS:
                 said = {"NoCredentialsError": "no credentials found",
                         "PartialCredentialsError": "incomplete credentials"}.get(
@@ -180,18 +213,20 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
                     "data.storage_options)" + (" and that they may use this bucket"
                                                if said == "access denied" else "")) from exc
             if not _transient(exc):
+                if _http_status(exc) is not None:       # 400, 405, 416 ...: said short
+                    raise StorageError(f"{what}: {_said(exc)} from the server") from exc
                 raise
             if attempt == attempts:
                 raise StorageError(
                     f"{what}: failed {attempts} times, last with {type(exc).__name__}: "
-                    f"{str(exc).rstrip('.')}. "
-                    "Check the endpoint, the credentials and the network") from exc
+                    f"{_said(exc)}. Check the endpoint, the credentials and the network"
+                    ) from exc
             with _RETRIES_LOCK:
                 RETRIES[type(exc).__name__] += 1
             wait = min(BACKOFF_S * 2 ** (attempt - 1), MAX_WAIT_S) * (0.5 + random.random())
             # one write per line: print writes the text and its newline apart, which the
             # reader's threads then interleave
-            sys.stderr.write(f"mimo: {what}: {type(exc).__name__} ({exc}); retry {attempt} "
+            sys.stderr.write(f"mimo: {what}: {type(exc).__name__} ({_said(exc)}); retry {attempt} "
                              f"of {attempts - 1} in {wait:.1f}s\n")
             sys.stderr.flush()
             time.sleep(wait)
@@ -232,6 +267,12 @@ class Remote:
                 options["config_kwargs"] = {
                     "retries": {"total_max_attempts": 1, "mode": "standard"},
                     **options.get("config_kwargs", {})}
+            if self.protocol in ("http", "https"):
+                import aiohttp
+                options["client_kwargs"] = {
+                    "timeout": aiohttp.ClientTimeout(total=None, sock_connect=HTTP_TIMEOUT_S,
+                                                     sock_read=HTTP_TIMEOUT_S),
+                    **options.get("client_kwargs", {})}
             self._fs = fsspec.filesystem(self.protocol, **options)
             if s3:
                 self._fs.retries = 1     # s3fs's own retry loop too (a class attribute)
@@ -321,6 +362,9 @@ class Remote:
         except FileNotFoundError as exc:
             if self.protocol in ("http", "https") and \
                     getattr(exc.__cause__, "status", None) not in (404, 410):
+                cause = exc.__cause__
+                if isinstance(cause, Exception) and _http_status(cause) is not None:
+                    raise cause from None   # the reply's error, classified: 403 said, 5xx retried
                 raise ConnectionError(f"{url}: {exc.__cause__!r}") from exc
             return None
 
