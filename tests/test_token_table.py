@@ -214,6 +214,13 @@ def test_the_cache_directory_environment_variable_wins(dataset, tmp_path, monkey
     open_table(dataset, preprocess_config_file(tmp_path / "p.yaml"), tmp_path / "configured")
     assert len(table_files(tmp_path / "from-env")) == 1
     assert table_files(tmp_path / "configured") == []
+    # as a Dockerfile's ENV line leaves it: '~' is the home folder, not a folder named '~'
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, "~/mimo-cache")
+    monkeypatch.chdir(tmp_path)
+    open_table(dataset, preprocess_config_file(tmp_path / "p.yaml"), tmp_path / "configured")
+    assert len(table_files(tmp_path / "home" / "mimo-cache")) == 1
+    assert not (tmp_path / "~").exists() and table_files(tmp_path / "configured") == []
 
 
 def test_inspect_report_writes_the_table_training_uses_and_reuses_it(dataset, tmp_path,

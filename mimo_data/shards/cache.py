@@ -43,6 +43,13 @@ DATASET_CACHE = ".mimo-cache"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mimo")
 
 
+def environment_cache() -> str | None:
+    """The cache folder ``MIMO_CACHE_DIR`` names, ``~`` expanded (an ``ENV`` line of a
+    Dockerfile, a systemd unit or an ``.env`` file leaves it as written); None where unset."""
+    value = os.environ.get(CACHE_DIR_ENV)
+    return os.path.expanduser(value) if value else None
+
+
 @dataclass(frozen=True)
 class Labels:
     """What a derived table is (schema metadata ``mimo.<field>``)."""
@@ -67,7 +74,7 @@ class Labels:
 
 def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
     """The directory holding ``dataset``'s derived tables (created if missing)."""
-    root = os.environ.get(CACHE_DIR_ENV) or cache_dir
+    root = environment_cache() or cache_dir
     if root is None and not storage.is_remote(dataset):
         own = os.path.join(storage.local_path(dataset), DATASET_CACHE)
         try:
@@ -101,7 +108,7 @@ def index_folder(sources: list[str]) -> str:
     """Where ``mimo-shard index`` writes the index of ``sources`` without ``--output``:
     ``CACHE/indexes/<name>-<hash of the sources>`` (CACHE: ``MIMO_CACHE_DIR`` or
     ``~/.cache/mimo``)."""
-    root = os.path.join(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE, "indexes")
+    root = os.path.join(environment_cache() or DEFAULT_CACHE, "indexes")
     given = sources[0] if len(sources) == 1 else "\n".join(sources)
     return external_directory(given, root)
 

@@ -49,7 +49,7 @@ class Entry:
 def directories(dataset: str, cache_dir: str | None = None) -> list[str]:
     """The cache directories of ``dataset`` that exist: its own and the one in ``cache_dir``
     (``MIMO_CACHE_DIR`` first, then the default cache)."""
-    root = os.environ.get(cache.CACHE_DIR_ENV) or cache_dir
+    root = cache.environment_cache() or cache_dir
     candidates = [os.path.join(dataset, cache.DATASET_CACHE),
                   cache.external_directory(dataset, root)]
     return [path for i, path in enumerate(candidates)

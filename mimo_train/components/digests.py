@@ -232,11 +232,11 @@ def _kept_digest(path: str) -> str:
     sets back), so that a local multi-GB base is hashed once, not at every mimo-generate. A
     file changed in the last two seconds is not kept: a coarse clock could give its next
     change the same times (git's rule for its index, "racy git")."""
-    from mimo_data.shards.cache import CACHE_DIR_ENV, DEFAULT_CACHE
+    from mimo_data.shards.cache import DEFAULT_CACHE, environment_cache
     stat = os.stat(path)
     identity = (f"{os.path.realpath(path)}\0{stat.st_dev}\0{stat.st_ino}\0{stat.st_size}\0"
                 f"{stat.st_mtime_ns}\0{stat.st_ctime_ns}")
-    folder = os.path.join(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE, DIGESTS_KEPT)
+    folder = os.path.join(environment_cache() or DEFAULT_CACHE, DIGESTS_KEPT)
     kept = os.path.join(folder, hashlib.sha256(identity.encode()).hexdigest())
     try:
         with open(kept) as f:

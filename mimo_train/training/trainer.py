@@ -37,7 +37,7 @@ from mimo_data.loading.loader import DataSource, build_loader, check_dropped, ch
 from mimo_data.loading.sample_order import OrderError
 from mimo_data.loading.token_table import Partition
 from mimo_data.preprocess.chat_tokens import TextEncoder
-from mimo_data.shards.cache import CACHE_DIR_ENV
+from mimo_data.shards.cache import CACHE_DIR_ENV, environment_cache
 from mimo_train import checkpoint_folders
 from mimo_train.components import checkpoint, checkpoint_fit
 from mimo_train.components.anomalies import Watch, reports_samples, step_samples
@@ -295,7 +295,7 @@ class Trainer:
         # gloo group (CPU memory, whatever the training backend).
         partition = Partition(self.rank, self.world, distributed.gather,
                               writes=int(os.environ.get("LOCAL_RANK", 0)) == 0)
-        overriding = os.environ.get(CACHE_DIR_ENV)
+        overriding = environment_cache()
         if cfg.data.cache_dir and overriding and self.rank == 0 and \
                 os.path.abspath(overriding) != os.path.abspath(cfg.data.cache_dir):
             say(f"{PREFIX}data.cache_dir {cfg.data.cache_dir} is not used: the environment's "
