@@ -203,6 +203,13 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
     code, _, err = cli_main(capsys, "info", "s4://team-data/x")
     assert code == 2 and "error: s4://team-data/x/index.json: no storage client knows the " \
         "scheme s4://" in err, err
+    # a bucket and a prefix joined with a slash too many: another place in the store
+    for args in (("info", "s3://team-data//x"), ("build", small_input, "-o", "s3://team-data//x",
+                                                  "--no-progress")):
+        code, _, err = cli_main(capsys, *args)
+        assert code == 2 and "error: s3://team-data//x" in err and ": an empty part (//) " \
+            "after the bucket: an object store keeps it in the key, a place other than the " \
+            "one meant; write s3://team-data/x" in err, err
     # a folder that takes no writes (read-only, another user's): the same, before any record,
     # at its first write (the claim) or its staging folder
     from mimo_data.shards import swap

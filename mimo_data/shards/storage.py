@@ -120,9 +120,15 @@ def canonical(location: str) -> str:
 
 def check_scheme(location: str) -> None:
     """LocationError where no installed fsspec client serves the scheme of the URL
-    ``location`` (an unknown scheme, or its client not installed), before any call."""
+    ``location`` (an unknown scheme, or its client not installed), or where an object
+    store's URL has an empty part (``s3://bucket//prefix``, a ``$BUCKET/$PREFIX`` joined
+    with a slash too many: the store keeps the key so, another place), before any call."""
     import fsspec
-    protocol = location.partition("://")[0]
+    protocol, _, rest = location.partition("://")
+    if protocol.lower() not in ("http", "https") and "//" in rest:
+        raise LocationError(f"{location}: an empty part (//) after the bucket: an object store "
+                            "keeps it in the key, a place other than the one meant; write "
+                            f"{protocol}://{re.sub('/+', '/', rest)}")
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
