@@ -136,6 +136,9 @@ def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
     manifest = json.loads((smollm2.export / "manifest.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(smollm2.export / "language")
     assert len(tokenizer) == SMOLLM2_VOCAB + MODALITY_TOKENS
+    # no flag of how this run loaded it in a file users push to the hub
+    assert not {"local_files_only", "is_local"} & set(json.loads(
+        (smollm2.export / "language" / "tokenizer_config.json").read_text()))
     tokens = {m: (t["token"], t["id"]) for m, t in manifest["modality_tokens"].items()}
     assert {t for t, _ in tokens.values()} == {"<|image_pad|>", "<|audio_pad|>"}
     assert {i for _, i in tokens.values()} == {SMOLLM2_VOCAB, SMOLLM2_VOCAB + 1}
@@ -446,6 +449,15 @@ def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch, 
             f"{tmp_path / 'out'}; run it again\n"
         assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) == handler            # put back
+    # an export killed outright (SIGKILL, out of memory) leaves its hidden staging folder:
+    # the next export to the same --output names it
+    (tmp_path / ".out.k1ll3d_x" / "language").mkdir(parents=True)
+    assert export.main(["--checkpoint", str(smollm2.checkpoint), "--output",
+                        str(tmp_path / "out")]) == 143          # stopped by SIGTERM again
+    assert f"mimo-export: note: {tmp_path / '.out.k1ll3d_x'} is left by an export to " \
+        f"{tmp_path / 'out'} that did not finish (killed, or the machine stopped): remove it " \
+        "(rm -r) unless one runs now\n" in capsys.readouterr().out
+    shutil.rmtree(tmp_path / ".out.k1ll3d_x")
     # Ctrl-C while the checkpoint is read: torch's reader wraps it in its exception
     import traceback
 

@@ -71,7 +71,8 @@ from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.errors import CheckpointError, ExportError
 from mimo_train.hf.processor_files import (PROCESSOR_FILES, copy_processor, name_processor,
-                                           write_generation_config, write_tokenizer)
+                                           save_tokenizer, write_generation_config,
+                                           write_tokenizer)
 
 PREFIX = "mimo-export: "
 MANIFEST = "manifest.json"
@@ -227,6 +228,10 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     except OSError as error:
         raise ExportError(f"--output {output}: its folder {parent} cannot be made: "
                           f"{error}") from None
+    if log is not None:
+        for left in _unfinished(output):
+            log(f"note: {left} is left by an export to {output} that did not finish (killed, "
+                "or the machine stopped): remove it (rm -r) unless one runs now")
     with _gone_said(directory, checkpoint):
         plan, meta = _run_plan(directory, base)
     cfg = plan.config
@@ -391,9 +396,11 @@ def _adapters_base(cfg, meta: dict, directory: str, log, base_given: bool) -> st
                           "model. " + (
                               "Give --base the model the run started from" if base_given else
                               "Restore that base (a hub name's cache may now hold another "
-                              "revision of it)") + ", or export the run merged (without "
-                          "--adapters): the checkpoint holds the trained base's weights",
-                          exit_code=1)
+                              "revision of it), or give where it is now with --base DIR") +
+                          ", or export the run merged (without --adapters): the checkpoint "
+                          "holds the trained base's weights, and takes from the base its "
+                          "config, which another revision of it (the same weights' names and "
+                          "shapes) gives as well", exit_code=1)
     return digest
 
 
@@ -762,6 +769,15 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
         f", {len(kept)} tensors in float32 as the base stores them" if kept else "")
 
 
+def _unfinished(output: str) -> list[str]:
+    """The staging folders of exports to ``output`` beside it (``export`` writes into one and
+    renames it; one killed outright, SIGKILL or out of memory, leaves it, hidden)."""
+    parent, name = os.path.split(output)
+    staged = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}")
+    return sorted(os.path.join(parent, entry) for entry in os.listdir(parent)
+                  if staged.fullmatch(entry) and os.path.isdir(os.path.join(parent, entry)))
+
+
 def _base_named(path: str, given: bool) -> str:
     """The export's base as the user gave it: ``--base PATH``, or the run's
     ``model.pretrained PATH``."""
@@ -844,7 +860,7 @@ def _write_language(out: str, plan, tokenizer, state: dict, directory: str,
     os.makedirs(out)
     save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
     config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     write_generation_config(out, pretrained, config, tokenizer)
     return chosen
 

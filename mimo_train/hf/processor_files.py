@@ -21,6 +21,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
+def save_tokenizer(tokenizer, out: str) -> None:
+    """``tokenizer.save_pretrained(out)`` without the flags of how this process loaded it
+    (``local_files_only``, ``is_local``: transformers keeps them among the settings it
+    writes), which no published tokenizer_config.json holds."""
+    tokenizer.save_pretrained(out)
+    rewrite_json(os.path.join(out, "tokenizer_config.json"),
+                 lambda data: [data.pop(flag, None) for flag in ("local_files_only", "is_local")])
+
+
 def write_tokenizer(tokenizer, out: str, pretrained: str, preprocess) -> None:
     """``tokenizer`` saved into ``out``; where it is the checkpoint's own (the preprocessing
     read the checkpoint's folder and added no token), as the checkpoint's files byte for byte:
@@ -29,7 +38,7 @@ def write_tokenizer(tokenizer, out: str, pretrained: str, preprocess) -> None:
     from transformers import AutoTokenizer
 
     from mimo_train.families.base import model_directory
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     try:
         pretrained, source = (os.path.realpath(model_directory(path))
                               for path in (pretrained, preprocess.tokenizer))
