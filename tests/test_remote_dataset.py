@@ -815,8 +815,8 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
         assert all(path.endswith(".tar") for path in http.paths), dict(http.paths)
         assert http.requests["GET"] <= shards, dict(http.paths)          # one run per shard
         http.reset_counters()
-        reader.check_shards()               # the start-up check: a HEAD per shard, sizes equal
-        assert http.requests == {"HEAD": shards}, dict(http.paths)
+        reader.check_shards()               # the start-up check: a HEAD per shard, sizes equal,
+        assert http.requests == {"HEAD": shards, "GET": 1}, dict(http.paths)  # one range read
         reader.close()
         assert not storage.Remote(url).exists(f"{url}/no-such.tar")        # a 404: absent
         code, out, err = cli_main(capsys, "info", url, "--json")
@@ -866,6 +866,15 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
                            "for 100: the server ignores byte ranges"):
             storage.Remote(url).read_range(f"{url}/{shard}", 512, 100)
         assert sum(storage.RETRIES.values()) == retried
+        # found before a run reads (or mimo-inspect reports), and before an index is made of
+        # its tars: one request, its reply not read
+        with pytest.raises(storage.RangesIgnored, match=rf"reading {url}/{shard} bytes 1-2: the "
+                           "whole object came: the server ignores byte ranges"):
+            ShardReader(url).check_shards()
+        code, _, err = cli_main(capsys, "index", f"{url}/{shard}", "-o", built.local.parent /
+                                "http-index", "--no-progress")
+        assert code == 2 and "the server ignores byte ranges (HTTP Range)" in err and not (
+            built.local.parent / "http-index").exists(), err
     finally:
         server.shutdown()
         server.server_close()

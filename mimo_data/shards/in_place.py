@@ -418,6 +418,12 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
                               "tars may be at a URL); copy the finished index into the bucket "
                               "to train from it there")
     source = resolve(sources, options, storage_options)
+    if storage.is_remote(source.root):    # an index read in place is read by ranges: one tried
+        try:
+            storage.Remote(source.root, storage_options).check_ranges(
+                storage.join(source.root, source.shards[0]))
+        except storage.RangesIgnored as error:
+            raise IndexInputError(str(error)) from None
     given = output is not None
     if output is None:
         output = cache.index_folder(sources)

@@ -81,11 +81,15 @@ class ShardReader:
     def check_shards(self) -> None:
         """DatasetError naming every shard that is missing or not of the size the index says
         (cut short, replaced), so that a run stops at start-up, not when it first reads one:
-        one listing of a remote shard root, a ``stat`` per local shard."""
+        one listing of a remote shard root, a ``stat`` per local shard; ``RangesIgnored``
+        where an HTTP server serves them whole (``Remote.check_ranges``)."""
         names = [shard["name"] for shard in self.index["shards"]]
         found: dict[str, int | None] = {}
         if self.shard_remote is not None:
             found = self.shard_remote.sizes(self.shard_root, names)
+            if names[0] in found:       # every read is a range of a shard: one tried
+                self.shard_remote.check_ranges(storage.join(self.shard_root, names[0]),
+                                               found[names[0]])
         else:
             root = storage.local_path(self.shard_root)
             for name in names:

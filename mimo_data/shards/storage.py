@@ -239,6 +239,13 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
     raise AssertionError("unreachable")
 
 
+def _ranges_ignored(read: str) -> RangesIgnored:
+    """The error of a ``read`` (what was asked, what came) from a server ignoring ranges."""
+    return RangesIgnored(f"{read}: the server ignores byte ranges (HTTP Range), which a "
+                         "dataset read in place needs; serve it with one that honours them "
+                         "(nginx, Apache, an object store), or copy the dataset here")
+
+
 def _error_code(exc: BaseException | None) -> str | None:
     """The S3 error code of a botocore ClientError (None for anything else)."""
     response = getattr(exc, "response", None)
@@ -298,11 +305,8 @@ class Remote:
             try:
                 data = self.fs.cat_file(url, start=start, end=start + size)
                 if len(data) > size:
-                    raise RangesIgnored(
-                        f"reading {url} bytes {start}-{start + size}: {len(data)} bytes arrived "
-                        f"for {size}: the server ignores byte ranges (HTTP Range), which a "
-                        "dataset read in place needs; serve it with one that honours them "
-                        "(nginx, Apache, an object store), or copy the dataset here")
+                    raise _ranges_ignored(f"reading {url} bytes {start}-{start + size}: "
+                                          f"{len(data)} bytes arrived for {size}")
                 if len(data) != size:
                     raise ShortRead(f"{len(data)} of {size} bytes arrived")
             except OSError as exc:   # short, or past the end (416): is the object itself?
@@ -319,6 +323,25 @@ class Remote:
                 raise
             return data
         return retried(f"reading {url} bytes {start}-{start + size}", call)
+
+    def check_ranges(self, url: str, size: int | None = None) -> None:
+        """``RangesIgnored`` where the HTTP(S) server of ``url`` (``size`` bytes, where known:
+        no look-up) ignores byte ranges, found with one ranged request whose reply is not read
+        when it is the whole object (as ``read_range`` would read it, a whole tar, before
+        saying so); a store's URL: none."""
+        if self.protocol not in ("http", "https"):
+            return
+
+        def call() -> None:
+            with self.fs.open(url, "rb", block_size=1, cache_type="none", size=size) as f:
+                f.seek(1)
+                f.read(1)
+        try:
+            retried(f"reading {url} bytes 1-2", call)
+        except ValueError as error:       # fsspec's HTTPFile: "doesn't appear to support
+            if "range" not in str(error):   # range requests"
+                raise
+            raise _ranges_ignored(f"reading {url} bytes 1-2: the whole object came") from None
 
     def sizes(self, url: str, names: list[str]) -> dict[str, int | None]:
         """``{name: bytes}`` of those of ``names`` (paths relative to ``url``, in folders below
