@@ -120,6 +120,15 @@ def _join(backend: str, device: torch.device, kwargs: dict) -> None:
         # which device to use instead of guessing (torch warns at every barrier otherwise).
         torch.cuda.set_device(device)
         kwargs = {**kwargs, "device_id": device}
+    if "RANK" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's store outlives an attempt: a restart (--max-restarts) finds the ranks'
+        # addresses of the attempt before, and a rank connecting to a dead one failed the
+        # restart (torch prefixes the keys of no attempt): each attempt its own keys
+        store, attempt = _agent_store(kwargs.get("timeout", timedelta(minutes=10)))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"mimo_train/{attempt}", store),
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
+        return
     if "RANK" in os.environ:
         dist.init_process_group(backend, **kwargs)
         return
