@@ -6,7 +6,9 @@ drops, so that nothing is ever lost without a count.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterable
 from typing import IO
 
 FIRST_LOCATIONS = 5  # offending locations kept per reason
@@ -60,16 +62,24 @@ class Tally:
     def skip(self, reason: str, location: str, detail: str) -> None:
         self.skip_many(reason, 1, [(location, detail)])
 
-    def skip_many(self, reason: str, count: int, first: list[tuple[str, str]]) -> None:
-        """``count`` skips for ``reason``, the first ones as ``(location, detail)`` (every one,
-        where the skips are written to ``every_skip``)."""
+    def skip_many(self, reason: str, count: int, first: Iterable[tuple[str, str]]) -> None:
+        """``count`` skips for ``reason``, the first ones as ``(location, detail)``; where the
+        skips are written to ``every_skip``, ``first`` gives every one (read as it is written:
+        a generator holds none of them)."""
         self.seen += count
-        _add(self.skipped, reason, count, first)
-        if self.every_skip is not None:
-            assert len(first) == count, "every skip is listed: give all of them"
-            self.every_skip.writelines(
-                json.dumps({"reason": reason, "location": location, "detail": detail},
-                           ensure_ascii=False) + "\n" for location, detail in first)
+        entries = iter(first)
+        head = list(itertools.islice(entries, FIRST_LOCATIONS))
+        _add(self.skipped, reason, count, head)
+        if self.every_skip is None:
+            return
+        written = 0
+        for location, detail in itertools.chain(head, entries):
+            self.every_skip.write(json.dumps({"reason": reason, "location": location,
+                                              "detail": detail}, ensure_ascii=False) + "\n")
+            written += 1
+        if written != count:
+            raise ValueError(f"{count} {reason} skips counted, {written} listed: every one is "
+                             "given where every skip is written")
 
     def set_aside(self, reason: str, location: str, detail: str) -> None:
         """One thing that is not an item, left out for ``reason`` (counted apart from the

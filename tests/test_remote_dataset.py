@@ -268,6 +268,7 @@ def test_a_build_that_dies_midway_leaves_no_dataset_or_the_old_one_and_the_next_
     assert kept["totals"]["samples"] == 0
     left = _objects(s3, "atomic")
     assert json.loads(left.pop("report.failed.json"))["records_skipped"] == 1
+    assert json.loads(left.pop("skipped.failed.jsonl"))["location"] == f"{nothing}:1"
     assert left == objects
     # one whose swap fails (its moves of the shards) says that neither dataset is there now
     real_move, moves = storage.Remote.move, []

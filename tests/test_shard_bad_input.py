@@ -667,7 +667,12 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "none", "--no-progress")
     assert code == 1 and "no sample written, all 2 record(s) skipped" in err, err
     assert read_json(tmp_path / "none" / "report.json")["records_skipped"] == 2
-    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["report.json"]
+    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["report.json",
+                                                                     "skipped.jsonl"]
+    assert [json.loads(line)["location"] for line in (tmp_path / "none" / "skipped.jsonl")
+            .open()] == [f"{path}:1", f"{path}:2"]
+    assert f"(see {tmp_path / 'none' / 'report.json'}; skipped.jsonl beside it lists every " \
+        "skipped record)" in err, err
     # given to the next command, that output's report is named, not an interrupted build
     # a folder that is not there: a usage error (2), as README's exit status says
     code, _, err = cli_main(capsys, "info", tmp_path / "nowhere")

@@ -370,8 +370,9 @@ def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_pa
     code, _, err = cli_main(capsys, "index", tmp_path / "bad", "--output", out, "--workers", "0",
                             "--no-progress")
     assert code == 1 and "no sample written, all 1 record(s) skipped" in err, err
-    assert sorted(p.name for p in out.iterdir()) == ["report.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "skipped.jsonl"]
     assert json.loads((out / "report.json").read_text())["skipped_by_reason"]["corrupt_image"]
+    assert json.loads((out / "skipped.jsonl").read_text())["location"] == "data-000000.tar:a"
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", out, "--workers", "0",
                             "--no-progress")
     assert code == 0 and json.loads((out / "index.json").read_text())["totals"]["samples"], err
@@ -379,13 +380,14 @@ def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_pa
     before = file_bytes(out)
     code, _, err = cli_main(capsys, "index", tmp_path / "bad", "--output", out, "--workers",
                             "0", "--no-progress", "--overwrite")
-    assert code == 1 and f"(see {out / 'report.failed.json'}); the index at {out} is as it " \
-        "was" in err, err
+    assert code == 1 and f"(see {out / 'report.failed.json'}; skipped.failed.jsonl beside it " \
+        f"lists every skipped record); the index at {out} is as it was" in err, err
     assert json.loads((out / "report.failed.json").read_text())["records_skipped"] == 1
-    assert {n: b for n, b in file_bytes(out).items() if n != "report.failed.json"} == before
+    failed = ("report.failed.json", "skipped.failed.jsonl")
+    assert {n: b for n, b in file_bytes(out).items() if n not in failed} == before
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", out, "--workers", "0",
                             "--no-progress", "--overwrite")
-    assert code == 0 and not (out / "report.failed.json").exists(), err
+    assert code == 0 and not any((out / name).exists() for name in failed), err
     # a disk that fills up: exit 1 saying so, the index there whole
     from mimo_data.shards import in_place
 
@@ -1274,6 +1276,9 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
                                      "sample is kept"), skip
     assert "index them with --keys-per-tar (each sample's key read as TAR/KEY)" in \
         skip["detail"], skip
+    # and in the list of every skipped record (the advice in the first five lines alone)
+    assert [json.loads(line) for line in (tmp_path / "idx" / "skipped.jsonl").open()] == [
+        {"reason": "duplicate_key", **skip}]
     code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "per-tar",
                             "--keys-per-tar", "--workers", "0", "--no-progress")
     assert code == 0, err

@@ -120,15 +120,18 @@ def test_existing_dataset_needs_overwrite(capsys, tmp_path, corpus_build, small_
     assert "Traceback" not in err and file_bytes(out) == before
     nothing = write_jsonl(tmp_path / "nothing.jsonl", [bad])
     code, _, err = cli_main(capsys, "build", nothing, "-o", out, "--no-progress", "--overwrite")
-    assert code == 1 and f"(see {out / 'report.failed.json'}); the dataset at {out} is as " \
-        "it was" in err, err
+    assert code == 1 and f"(see {out / 'report.failed.json'}; skipped.failed.jsonl beside it " \
+        f"lists every skipped record); the dataset at {out} is as it was" in err, err
     after = file_bytes(out)
     assert read_json(out / "report.failed.json")["records_skipped"] == 1
-    assert {n: b for n, b in after.items() if n != "report.failed.json"} == before
+    assert read_json(out / "skipped.failed.jsonl")["location"] == f"{nothing}:1"
+    assert {n: b for n, b in after.items()
+            if n not in ("report.failed.json", "skipped.failed.jsonl")} == before
     (out / ".staging").mkdir()                      # a later build that runs (or died)
     code, text, _ = cli_main(capsys, "info", out)
     assert code == 0 and "\nbeside    report.failed.json: the report of a later build with " \
-        "--overwrite that kept no sample (this dataset stayed as it was)\nbeside    .staging: " \
+        "--overwrite that kept no sample (this dataset stayed as it was; its skipped records " \
+        "listed in skipped.failed.jsonl)\nbeside    .staging: " \
         "a later build's files (running, or it failed or was killed" in text, text
     (out / ".staging").rmdir()
 

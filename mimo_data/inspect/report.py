@@ -560,9 +560,6 @@ def skipped_records(directory: str, index: dict, thresholds: Thresholds) -> dict
     was written (``index``: the dataset's index.json): they are in no shard, so no other
     check sees them."""
     built = index.get("report", {})
-    # every one in skipped.jsonl; a dataset written before it, the first few in report.json
-    names = f"{storage.join(directory, SKIPPED_FILE)} names each" if SKIPPED_FILE in \
-        index.get("files", {}) else f"{storage.join(directory, REPORT_FILE)} names the first"
     read, skipped = int(built.get("records_read", 0)), int(built.get("records_skipped", 0))
     counts = skipped_counts(directory, built)
     # an Energon split.yaml's excludes are the dataset's own choice, counted but not failed
@@ -577,7 +574,7 @@ def skipped_records(directory: str, index: dict, thresholds: Thresholds) -> dict
     said = (f"skipped_records: {skipped} of {read} records ({fraction:.2%}) skipped by the "
             f"build or index{reasons}, {'within' if passed else 'above'} "
             f"--max-skipped-records-fraction {limit:g}" +
-            (f"; {names}" if skipped else "") +
+            (f"; {_where_named(directory)}" if skipped else "") +
             (f"; {chosen} more left out by its split.yaml's excludes" if chosen else "")
             if read else "skipped_records: the dataset's index records no count of the "
             "records its build read (written before it did)")
@@ -585,9 +582,18 @@ def skipped_records(directory: str, index: dict, thresholds: Thresholds) -> dict
             "fraction": fraction, "limit": limit, "limit_kind": "fraction",
             "flag": "--max-skipped-records-fraction", "by_reason": counts,
             "excluded_by_split_yaml": chosen, "keys": [],
-            "what": "records the build or index skipped (in no shard: skipped.jsonl names "
-                    "them)",
+            "what": "records the build or index skipped (in no shard: skipped.jsonl beside "
+                    "the index names them)",
             "message": said}
+
+
+def _where_named(directory: str) -> str:
+    """Where the records ``directory``'s build or index skipped are named: every one in its
+    skipped.jsonl, or, a dataset written before it (or the list removed), the first five of
+    each reason in its report.json."""
+    listed = storage.join(directory, SKIPPED_FILE)
+    return f"{listed} names each" if storage.exists(listed) else \
+        f"{storage.join(directory, REPORT_FILE)} names the first five of each reason"
 
 
 def audio_cut(directory: str, kept: np.ndarray, config: PreprocessConfig) -> dict | None:

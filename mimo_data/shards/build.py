@@ -76,7 +76,7 @@ class BuildOptions:
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
 _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report(\.failed)?\.json"
-                       rf"|{re.escape(SKIPPED_FILE)}"
+                       r"|skipped\.failed\.jsonl"
                        rf"|\.staging|\.mimo-cache|{re.escape(CLAIM_FILE)}|{re.escape(CLAIM_PROBE)}[0-9a-f]+"
                        r")$")
 _SHARD_FILE = re.compile(r"^.+-\d{6}\.tar$")
@@ -87,10 +87,13 @@ def _foreign(names: list[str], killed: bool) -> list[str]:
     build's only where the output says so: a dataset's index, a swap's staging or sample
     table (a build killed while moving its files in), or a killed build's claim (one killed
     while uploading its shards into a bucket); otherwise it is the user's own (a WebDataset
-    folder given as --output), which a build must not remove."""
+    folder given as --output), which a build must not remove; so is a skipped list beside
+    none of those or a report."""
     built = killed or bool({INDEX_FILE, STAGING_DIR, SAMPLES_FILE} & set(names))
+    reported = built or REPORT_FILE in names        # a run's that kept no sample too
     return sorted(n for n in names if not _OWN_FILE.match(n)
-                  and not (built and _SHARD_FILE.match(n)))
+                  and not (built and _SHARD_FILE.match(n))
+                  and not (reported and n == SKIPPED_FILE))
 
 
 def _refusal(output: str, foreign: list[str], what: str) -> BuildError:
@@ -487,8 +490,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         print(line, file=sys.stderr)
     index = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": options.name,
-        **index_fields(staging, shard_list, report,
-                       (SAMPLES_FILE, REPORT_FILE, SKIPPED_FILE)),
+        **index_fields(staging, shard_list, report, (SAMPLES_FILE, REPORT_FILE)),
         "build": {"inputs": list(inputs),
                   **{k: v for k, v in asdict(options).items() if k not in ("progress", "workers",
                                                                            "overwrite")}},

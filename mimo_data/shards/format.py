@@ -10,8 +10,10 @@ A dataset directory holds:
   without opening a tar.
 - ``report.json``: the build report (records read / written / skipped by reason with the
   first few locations, and what each input gave).
-- ``skipped.jsonl``: every skipped record, a JSON line each in the order read: ``reason``,
-  ``location`` (``file:line``, ``file#row``; ``tar:KEY`` for an index in place), ``detail``.
+- ``skipped.jsonl``: every skipped record, a JSON line each in the order read (an index in
+  place's keys repeated across tars last): ``reason``, ``location`` (``file:line``,
+  ``file#row``; ``tar:KEY`` for an index in place), ``detail``. For people: no reader needs
+  it, and ``index.json`` does not list it.
 - ``.mimo-cache/``: tables derived from the rest (``shards/cache.py``): the memory-mapped sample
   table (``sample_table.py``), the records table (``record_table.py``: every ``KEY.json``,
   what remote readers read records from), token tables per preprocessing config
@@ -190,6 +192,7 @@ SAMPLES_FILE = "samples.parquet"
 REPORT_FILE = "report.json"
 SKIPPED_FILE = "skipped.jsonl"              # every skipped record (report.json: the first few)
 FAILED_REPORT_FILE = "report.failed.json"   # a run that kept no sample, beside an old dataset
+FAILED_SKIPPED_FILE = "skipped.failed.jsonl"  # and its skipped list
 RECORDS_FILE = "records.parquet"   # indexed in place only
 STAGING_DIR = ".staging"
 CLAIM_FILE = ".mimo-claim"         # held by the run writing the folder (shards/claim.py)

@@ -36,10 +36,11 @@ from tqdm import tqdm
 from mimo_data.files import parquet_batches, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, claim, energon, sample_table, storage, swap
-from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, FORMAT_NAME, INDEX_FILE,
-                                    INDEXED_VERSION, RECORDS_FILE, REPORT_FILE, SAMPLES_FILE,
-                                    SAMPLES_SCHEMA, SKIPPED_FILE, SPLIT_EXCLUDED, STAGING_DIR,
-                                    VIDEOS_ROTATED, index_fields, summary_column)
+from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, FAILED_SKIPPED_FILE,
+                                    FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
+                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, SKIPPED_FILE,
+                                    SPLIT_EXCLUDED, STAGING_DIR, VIDEOS_ROTATED, index_fields,
+                                    summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, synthesize
 from mimo_data.shards import record_table
@@ -50,11 +51,11 @@ from mimo_data.shards.tar_sources import (DETECT_SAMPLES, IndexInputError, Index
                                           Source, open_tar, output_given_as_source, resolve,
                                           say)
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
-from mimo_data.tally import Tally
+from mimo_data.tally import FIRST_LOCATIONS, Tally
 
 _BATCH = 8192                 # rows written to samples.parquet / records.parquet at a time
-_OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, SKIPPED_FILE, FAILED_REPORT_FILE,
-        STAGING_DIR, cache.DATASET_CACHE, CLAIM_FILE}
+_OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, FAILED_REPORT_FILE,
+        FAILED_SKIPPED_FILE, STAGING_DIR, cache.DATASET_CACHE, CLAIM_FILE}
 
 
 @dataclass
@@ -248,7 +249,10 @@ def _prepare_output(output: str, named: str, options: IndexOptions, source: Sour
     if INDEX_FILE in names and not options.overwrite:
         raise IndexInputError(f"{named} already holds an index"
                               f"{_changed(output, source, options)}")
-    foreign = sorted(n for n in names if n not in _OWN and not n.startswith(INDEX_FILE + ".tmp"))
+    indexed = bool({INDEX_FILE, STAGING_DIR, SAMPLES_FILE, REPORT_FILE} & names)  # a user's
+    foreign = sorted(n for n in names if n not in _OWN          # list, beside none, stays
+                     and not n.startswith(INDEX_FILE + ".tmp")
+                     and not (indexed and n == SKIPPED_FILE))
     if foreign:
         raise IndexInputError(f"{output} holds files an index did not write "
                               f"({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}); "
@@ -321,14 +325,23 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
     for name, number in _counts_of(dropped, dropped_records.column("json"), source,
                                    storage_options).items():
         report.count(name, -number)
-    report.skip_many("duplicate_key", len(dropped), [
-        (f"{shard}:{key}", f"the key occurs in an earlier tar too ({first[key][1]}), whose sample "
-         "is kept: where the tars number their samples each on their own (keys alike in "
-         "every tar), index them with --keys-per-tar (each sample's key read as TAR/KEY); "
-         "tars of separate downloads that number keys alike: index each alone and train on "
-         "the indexes together, data.datasets: [A, B]")
-        for shard, key in zip(dropped.column("shard").to_pylist(),
-                              dropped.column("key").to_pylist())])
+    advice = ("where the tars number their samples each on their own (keys alike in every "
+              "tar), index them with --keys-per-tar (each sample's key read as TAR/KEY); tars "
+              "of separate downloads that number keys alike: index each alone and train on the "
+              "indexes together, data.datasets: [A, B]")
+
+    def skips() -> Iterator[tuple[str, str]]:
+        """Each dropped sample's location and detail, read a batch at a time (tars that each
+        number from 0 drop nearly all); the advice in the first few (report.json's) alone."""
+        said = 0
+        for batch in dropped.select(["shard", "key"]).to_batches():
+            for shard, key in zip(*(column.to_pylist() for column in batch.columns)):
+                detail = f"the key occurs in an earlier tar too ({first[key][1]}), whose " \
+                    "sample is kept"
+                yield f"{shard}:{key}", detail + (f": {advice}" if said < FIRST_LOCATIONS
+                                                  else "")
+                said += 1
+    report.skip_many("duplicate_key", len(dropped), skips())
     return Counter(dropped.column("shard").to_pylist())
 
 
@@ -553,8 +566,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         "format": FORMAT_NAME, "version": INDEXED_VERSION,
         "name": options.name or storage.name_of(source.root),
         "shard_root": source.root,
-        **index_fields(staging, shards, report,
-                       (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, SKIPPED_FILE)),
+        **index_fields(staging, shards, report, (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)),
         "build": {"command": "index", "inputs": list(source.given or [source.root]),
                   **_settings(source, options)},
     }

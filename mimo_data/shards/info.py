@@ -86,7 +86,8 @@ def dataset_info(directory: str) -> dict:
 
 # what a later run left beside the dataset (``swap``), as ``format_info`` says it
 _BESIDE = {FAILED_REPORT_FILE: "the report of a later build with --overwrite that kept no "
-                               "sample (this dataset stayed as it was)",
+                               "sample (this dataset stayed as it was; its skipped records "
+                               "listed in skipped.failed.jsonl)",
            STAGING_DIR: "a later build's files (running, or it failed or was killed: the next "
                         "build with --overwrite removes them)"}
 

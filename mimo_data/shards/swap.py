@@ -25,8 +25,8 @@ from typing import Any
 
 from mimo_data.files import write_atomic
 from mimo_data.shards import storage
-from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, INDEX_FILE, REPORT_FILE,
-                                     SKIPPED_FILE, STAGING_DIR)
+from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, FAILED_SKIPPED_FILE,
+                                     INDEX_FILE, REPORT_FILE, SKIPPED_FILE, STAGING_DIR)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.stops import OutputFull
 
@@ -106,11 +106,11 @@ def into_folder(folder: str, staging: str, samples: int, old: list[str]) -> str:
     """Move a finished run's files from ``staging`` (inside ``folder``) into the place of the
     ``old`` dataset's, having written ``samples``; return the path of its report. The caller
     writes the index after."""
-    if not samples:
-        report = os.path.join(folder, _report_name(bool(old)))
-        os.replace(os.path.join(staging, REPORT_FILE), report)
+    if not samples:                 # the report and the skipped list alone
+        for name, kept in _kept_none(bool(old)):
+            os.replace(os.path.join(staging, name), os.path.join(folder, kept))
         shutil.rmtree(staging)
-        return report
+        return os.path.join(folder, _report_name(bool(old)))
     for name in _index_first(old):
         _remove(os.path.join(folder, name))
     for name in _report_last(os.listdir(staging)):
@@ -124,13 +124,13 @@ def into_folder(folder: str, staging: str, samples: int, old: list[str]) -> str:
 def see_report(report: str, index: dict) -> str:
     """What a run's summary line says of its ``report`` (the path or URL ``into_folder`` or
     ``into_prefix`` gave) where it skipped records or set members aside: the report, and
-    beside it the list of every skipped record where samples were kept (a run that kept none
-    leaves its report alone); "" where it did neither."""
+    beside it the list of every skipped record; "" where it did neither."""
     built = index["report"]
     if not built["records_skipped"] and not built.get("members_ignored"):
         return ""
-    every = f"; {SKIPPED_FILE} beside it lists every skipped record" if \
-        built["records_skipped"] and index["totals"]["samples"] else ""
+    listed = FAILED_SKIPPED_FILE if report.endswith(FAILED_REPORT_FILE) else SKIPPED_FILE
+    every = f"; {listed} beside it lists every skipped record" if built["records_skipped"] \
+        else ""
     return f" (see {report}{every})"
 
 
@@ -157,10 +157,10 @@ def into_prefix(remote: storage.Remote, output: str, local: str, index: dict,
     ``local``; return the report's URL. StorageError naming what is left where the swap
     fails."""
     if not index["totals"]["samples"]:
-        report = storage.join(output, _report_name(bool(old)))
         remote.remove(staged(output), recursive=True)
-        remote.put(os.path.join(local, REPORT_FILE), report)
-        return report
+        for name, kept in _kept_none(bool(old)):
+            remote.put(os.path.join(local, name), storage.join(output, kept))
+        return storage.join(output, _report_name(bool(old)))
     if old:
         try:
             remote.remove(storage.join(output, INDEX_FILE))
@@ -217,11 +217,20 @@ def _size(size: float) -> str:
 
 def _leftover(name: str) -> bool:
     """Whether ``name``, beside a complete dataset, was left by a failed or killed run."""
-    return name in (STAGING_DIR, FAILED_REPORT_FILE) or name.startswith(INDEX_FILE + ".tmp")
+    return name in (STAGING_DIR, FAILED_REPORT_FILE, FAILED_SKIPPED_FILE) or \
+        name.startswith(INDEX_FILE + ".tmp")
 
 
 def _report_name(replacing: bool) -> str:
     return FAILED_REPORT_FILE if replacing else REPORT_FILE
+
+
+def _kept_none(replacing: bool) -> list[tuple[str, str]]:
+    """What a run that kept no sample leaves, as ``(its name in the run's files, the name it
+    is given)``: its report and skipped list, beside an old dataset (``replacing``) under the
+    names of a failed run's."""
+    return [(REPORT_FILE, _report_name(replacing)),
+            (SKIPPED_FILE, FAILED_SKIPPED_FILE if replacing else SKIPPED_FILE)]
 
 
 def _index_first(names: list[str]) -> list[str]:
