@@ -845,6 +845,16 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
             assert "RequestInfo" not in str(caught.value)
             assert http.requests == asked, dict(http.paths)                  # no retry
         http.denied.clear()
+        # a shard cut short, read past its end (the server answers 416): said as cut short
+        cut = built.local.parent / "cut-short"
+        cut.mkdir()
+        try:
+            (cut / shard).write_bytes((built.local / shard).read_bytes()[:1000])
+            with pytest.raises(storage.ShortObject, match=rf"{http.url}/cut-short/{shard} holds "
+                               "1000 bytes, not the 5100 or more its dataset's index says"):
+                storage.Remote(url).read_range(f"{http.url}/cut-short/{shard}", 5000, 100)
+        finally:
+            shutil.rmtree(cut)
         # a build into an HTTP URL: refused at once, no request made (HTTP is read here)
         http.reset_counters()
         code, _, err = cli_main(capsys, "build", str(CORPUS_DIR / INPUTS[0]), "-o",

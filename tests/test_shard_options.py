@@ -213,6 +213,9 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
         assert code == 2 and "error: s3://team-data//x" in err and ": an empty part (//) " \
             "after the bucket: an object store keeps it in the key, a place other than the " \
             "one meant; write s3://team-data/x" in err, err
+    from mimo_data.shards import storage
+    for fine in ("s3://team-data/x?signed=a//b", "https://host//x", "memory://a//b"):
+        storage.check_scheme(fine)          # a query's, HTTP's and no store's // are kept
     # a folder that takes no writes (read-only, another user's): the same, before any record,
     # at its first write (the claim) or its staging folder
     from mimo_data.shards import swap

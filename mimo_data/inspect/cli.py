@@ -75,10 +75,11 @@ def _positive(kind):
 
 
 def _given(text: str) -> str:
-    """An argparse type: a value that is not empty (``--layout ''``: a variable left unset)."""
+    """An argparse type: a value that is not empty (``--layout ''``: a variable left unset),
+    a path's ``~`` expanded (a compact layout never starts with one)."""
     if not text.strip():
         raise argparse.ArgumentTypeError("is empty")
-    return text
+    return user_path(text)
 
 
 def _utilisation(text: str) -> float:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from mimo_data.arguments import user_path
 from mimo_data.shards.index import DatasetError
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.loading.loader import TEXT_AHEAD, DataSource, build_loader, check_even_split
@@ -265,9 +266,11 @@ def format_dry_run(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mimo_data.loading.dry_run",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("datasets", nargs="+", help="dataset directories (mimo-shard build)")
-    parser.add_argument("--config", required=True, help="preprocessing config (YAML)")
-    parser.add_argument("--layout", required=True,
+    parser.add_argument("datasets", nargs="+", type=user_path,
+                        help="dataset directories (mimo-shard build)")
+    parser.add_argument("--config", required=True, type=user_path,
+                        help="preprocessing config (YAML)")
+    parser.add_argument("--layout", required=True, type=user_path,
                         help="'language=dp2;image=dp1' or a layout YAML file")
     parser.add_argument("--global-batch-size", type=int, required=True)
     parser.add_argument("--micro-batch-size", type=int, required=True)

@@ -76,6 +76,9 @@ _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirecto
 
 # botocore's errors for credentials that are absent or incomplete: no retry finds them
 _NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")
+# object stores' schemes, whose URL's path is a bucket and a key prefix (an empty part in it is
+# a mistake: ``s3://bucket//prefix``)
+_BUCKETED = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2")
 # a scheme, one slash, then no second one: ``s3:/bucket/prefix`` (a drive letter is one letter)
 _ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)(.*)$")
 
@@ -125,10 +128,11 @@ def check_scheme(location: str) -> None:
     with a slash too many: the store keeps the key so, another place), before any call."""
     import fsspec
     protocol, _, rest = location.partition("://")
-    if protocol.lower() not in ("http", "https") and "//" in rest:
+    path = re.split(r"[?#]|::", rest, maxsplit=1)[0]        # not a query's or a chained URL's
+    if protocol.lower() in _BUCKETED and "//" in path:
         raise LocationError(f"{location}: an empty part (//) after the bucket: an object store "
                             "keeps it in the key, a place other than the one meant; write "
-                            f"{protocol}://{re.sub('/+', '/', rest)}")
+                            f"{protocol}://{re.sub('/+', '/', path)}{rest[len(path):]}")
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
@@ -309,8 +313,9 @@ class Remote:
                                           f"{len(data)} bytes arrived for {size}")
                 if len(data) != size:
                     raise ShortRead(f"{len(data)} of {size} bytes arrived")
-            except OSError as exc:   # short, or past the end (416): is the object itself?
-                if isinstance(exc, _PERMANENT):
+            except Exception as exc:   # short, or past the end (416): is the object itself?
+                if isinstance(exc, _PERMANENT) or not (isinstance(exc, OSError)
+                                                       or _http_status(exc) == 416):
                     raise
                 try:
                     held = self.fs.info(url).get("size")
