@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import signal
 import sys
 import time
@@ -89,6 +90,10 @@ def _main(args, parser: argparse.ArgumentParser) -> int:
     from mimo_train.training.trainer import train
     console.say(f"{console.PREFIX}torch and megatron-core loaded "
                 f"({time.perf_counter() - start:.1f} s)")
+    if (why := distributed.unjoined_tasks()) is not None:
+        if os.environ.get("SLURM_PROCID", "0") == "0":      # said once, not by every task
+            print(f"{console.PREFIX}{why}", file=sys.stderr)
+        return 2
     try:
         trainer = train(plan, args.records)
         if trainer.failure:             # too many skipped steps (components/anomalies.py)

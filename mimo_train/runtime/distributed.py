@@ -114,6 +114,22 @@ def _agent_store(timeout: timedelta) -> tuple[dist.TCPStore, str]:
     return store, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
+def unjoined_tasks() -> str | None:
+    """Why this process cannot train although it runs: ``srun`` started several tasks of it
+    (``SLURM_STEP_NUM_TASKS``, which an allocation's shell, ``salloc``'s, lacks) and no
+    torchrun made them ranks of one job, so each would train alone into the same
+    checkpoint.dir; None where it is a rank (``RANK``) or alone."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
+    if "RANK" in os.environ or not tasks.isdigit() or int(tasks) <= 1:
+        return None
+    return (f"srun started {tasks} tasks of this command (SLURM_STEP_NUM_TASKS={tasks}) and no "
+            "torchrun joined them into one job: each would train alone, all into one "
+            "checkpoint.dir. Start one torchrun a node under srun: srun --ntasks-per-node=1 "
+            "torchrun --nnodes $SLURM_NNODES --nproc-per-node GPUS --rdzv-backend c10d "
+            "--rdzv-endpoint HOST:PORT --rdzv-id $SLURM_JOB_ID -m mimo_train ... "
+            "(docs/long-runs.md)")
+
+
 def _join(backend: str, device: torch.device, kwargs: dict) -> None:
     if backend == "nccl":
         # With NCCL, binding the group to this rank's GPU tells barrier() (checkpoint saves)
