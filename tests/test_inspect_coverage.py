@@ -132,3 +132,44 @@ def test_generation_block_around_user_turns_fails(capsys, tmp_path, chats):
     code, _, err, _, check = _report(capsys, tmp_path, chats, _template(USER_TOO),
                                      "--max-loss-mask-coverage-failures", "4")
     assert code == 0 and check["passed"], err
+
+
+# Qwen2-VL's ChatML with the user turns in generation blocks (images between wrap tokens)
+QWEN_USER_TOO = """{% for message in messages %}{% if message['role'] == 'user' %}\
+<|im_start|>user
+{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}
+{% else %}<|im_start|>{{ message['role'] }}
+{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_trained_user_turn_with_images_between_wrap_tokens_fails(capsys, tmp_path, assets):
+    """Qwen2-VL writes an image as <|vision_start|> placeholders <|vision_end|>: a user turn
+    holding one is found around them, so training it fails the check as text alone does (it
+    was not found, and passed)."""
+    from mimo_train.families.registry import preprocessing_for
+    qwen = REPO / "assets" / "models" / "published" / "Qwen--Qwen2-VL-2B-Instruct"
+    records = [{"id": "one", "image": str(assets["jpeg"]), "conversations": [
+                    {"from": "human", "value": "<image>\nWho is this?"},
+                    {"from": "gpt", "value": "A person."}]},
+               {"id": "two", "images": [str(assets["jpeg"]), str(assets["png"])], "conversations": [
+                    {"from": "human", "value": "Compare <image> and <image>."},
+                    {"from": "gpt", "value": "They differ."}]}]
+    build_dataset([write_jsonl(tmp_path / "images.jsonl", records)], tmp_path / "shards")
+    config = {**preprocessing_for(str(qwen)), "seq_length": 4096}
+    for template, failed in ((None, []), (QWEN_USER_TOO, ["000000000", "000000001"])):
+        if template is not None:
+            (tmp_path / "user.jinja").write_text(template)
+            config["chat_template"] = str(tmp_path / "user.jinja")
+        (tmp_path / "qwen.yaml").write_text(yaml.safe_dump(config))
+        capsys.readouterr()
+        code = main(["report", str(tmp_path / "shards"), "--config", str(tmp_path / "qwen.yaml"),
+                     "--no-progress", "--json", str(tmp_path / "report.json")])
+        report = json.loads((tmp_path / "report.json").read_text())
+        flagged = report["flagged"].get("loss_mask_coverage", [])
+        assert (code, sorted(entry["key"] for entry in flagged)) == (1 if failed else 0, failed), \
+            capsys.readouterr().err
+        assert [entry["detail"] for entry in flagged] == [   # the characters of its text alone
+            f"turn 0 (user): {n} of {n} content characters trained" for n in (10, 11)][
+            :len(failed)], flagged

@@ -386,7 +386,9 @@ class SampleInspector:
                 stats.coverage_problems.append(f"turn {turn} (assistant): its content "
                                                f"({count} characters) is not in the tokens")
             return None
-        count = _wrong_chars(found, wrong == 1, text, pieces, starts, kinds, first)
+        # (at most the content's own: the tokens written around a medium are found with it)
+        count = min(_wrong_chars(found, wrong == 1, text, pieces, starts, kinds, first),
+                    _visible(content))
         if count:
             if trained:
                 stats.assistant_chars_not_trained += count
@@ -448,9 +450,18 @@ def _visible(text: str) -> int:
 
 def _locate(text: str, content: str, start: int) -> tuple[int, int] | None:
     """[a, b) of ``content`` in ``text`` from ``start``; whitespace may differ (tokenizers
-    that do not decode it back exactly); None when absent."""
+    that do not decode it back exactly), and a medium's placeholder may stand between the
+    tokens the template writes around it (``_ITEM``); None when absent."""
     found = text.find(content, start)
     if found >= 0:
         return found, found + len(content)
-    match = re.compile(r"\s*".join(map(re.escape, content.split()))).search(text, start)
+    match = re.compile(r"\s*".join(re.escape(word).replace(re.escape(_PLACEHOLDER), _ITEM)
+                                    for word in content.split())).search(text, start)
     return match.span() if match else None
+
+
+# A medium's placeholders in the decoded text with the tokens written around them: its wrap
+# tokens (<|vision_start|> ... <|vision_end|>, <img> ... </img>), a video's frames each with
+# its timestamp (Qwen3-VL's <0.5 seconds>): a content holding a marker is found there too
+_WRAP = r"(?:<[^<>\x00\n]{1,40}>)*"
+_ITEM = rf"{_WRAP}\x00(?:{_WRAP}\x00)*{_WRAP}"
