@@ -113,6 +113,8 @@ def _print_preprocessing(path: str) -> int:
     import yaml
 
     from mimo_train.families.registry import preprocessing_for
+    if os.path.basename(path) == "config.json" and os.path.isfile(path):
+        path = os.path.dirname(os.path.abspath(path))     # its folder, as plan --model takes it
     try:
         data = preprocessing_for(path, "--preprocessing-for")
     except TrainConfigError as error:

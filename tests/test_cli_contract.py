@@ -267,6 +267,10 @@ def test_hub_names_are_read_from_the_local_cache_without_a_request(capsys, monke
     assert main(["--preprocessing-for", "~/Qwen--Qwen2-VL-2B-Instruct"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["tokenizer"] == str(
         MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct")
+    # its config.json given: its folder, as mimo-inspect plan --model takes it
+    assert main(["--preprocessing-for", "~/Qwen--Qwen2-VL-2B-Instruct/config.json"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == {**expected, "tokenizer": str(
+        MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"), "seq_length": 1024}
     # the layout advisor takes the hub name as --model (one clip's workload: no dataset)
     qwen_preprocess = tmp_path / "qwen2_vl.yaml"
     qwen_preprocess.write_text(out)

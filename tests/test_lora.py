@@ -310,10 +310,10 @@ def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetun
                  str(tmp / "x1"), "--adapters", "--base", str(changed)]) == 1
     err = capsys.readouterr().err
     assert f"--adapters: --base {changed} is not the one the run trained on" in err and \
-        "model. Give --base the model the run started from, or export the run merged " \
-        "(without --adapters): the checkpoint holds the trained base's weights, and takes " \
-        "from the base its config, which another revision of it (the same weights' names and " \
-        "shapes) gives as well" in err and "Restore" not in err, err
+        "model. Give --base the model the run started from. A merged export (without " \
+        "--adapters) takes the trained weights from the checkpoint and only the config from " \
+        "the base: another revision of the base (the same weights' names and shapes) does " \
+        "for it" in err and "Restore" not in err, err
     init = rewritten("from-init", lambda m: m["config"]["model"].update(
         init_from=str(checkpoints / "step_0000003")))
     assert main(["--checkpoint", str(init), "--output", str(tmp / "x2"), "--adapters"]) == 2

@@ -397,10 +397,10 @@ def _adapters_base(cfg, meta: dict, directory: str, log, base_given: bool) -> st
                               "Give --base the model the run started from" if base_given else
                               "Restore that base (a hub name's cache may now hold another "
                               "revision of it), or give where it is now with --base DIR") +
-                          ", or export the run merged (without --adapters): the checkpoint "
-                          "holds the trained base's weights, and takes from the base its "
-                          "config, which another revision of it (the same weights' names and "
-                          "shapes) gives as well", exit_code=1)
+                          ". A merged export (without --adapters) takes the trained weights "
+                          "from the checkpoint and only the config from the base: another "
+                          "revision of the base (the same weights' names and shapes) does for "
+                          "it", exit_code=1)
     return digest
 
 
