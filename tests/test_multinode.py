@@ -182,3 +182,20 @@ def test_tasks_srun_started_without_torchrun_are_refused(monkeypatch, capsys):
         assert capsys.readouterr().err.endswith(printed)
     monkeypatch.setenv("RANK", "0")                               # a rank of torchrun's
     assert distributed.unjoined_tasks() is None
+
+
+def test_nodes_started_with_different_rank_counts_are_named(monkeypatch):
+    """Two nodes, one started with --nproc-per-node 1 and one with 2: what the layout's
+    refusal of the 3-rank world adds says the nodes differ (the fix is the launch line, not
+    the layout); nodes alike add nothing."""
+    import torch.distributed as dist
+
+    from mimo_train.training import start_checks
+    monkeypatch.setattr(dist, "get_world_size", lambda *args: 3)
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    for here, said in (("1", " (the world's 3 ranks come from 2 nodes, this one running 1: the "
+                        "nodes were started with different --nproc-per-node; give each the "
+                        "same)"), ("3", "")):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", here)
+        monkeypatch.setenv("GROUP_WORLD_SIZE", "2" if said else "1")
+        assert start_checks._uneven_nodes() == said

@@ -11,7 +11,7 @@ import os
 
 import torch.distributed as dist
 
-from mimo_data.loading.layout import Layout
+from mimo_data.loading.layout import Layout, LayoutError
 from mimo_data.loading.loader import variable_token_modalities
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
@@ -93,9 +93,24 @@ def check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -
                         f"{INDEX_FILE} is missing; build them with mimo-shard build ... "
                         f"--output {directory}"))
     _check_no_copies(cfg)
-    layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
-                    cfg.train.micro_batch_size, variable_token_modalities(preprocess),
-                    modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
+    try:
+        layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
+                        cfg.train.micro_batch_size, variable_token_modalities(preprocess),
+                        modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
+    except LayoutError as error:
+        raise LayoutError(f"{error}{_uneven_nodes()}") from None
+
+
+def _uneven_nodes() -> str:
+    """Where torchrun's nodes run different numbers of ranks (a --nproc-per-node given
+    otherwise on one node), what to say after a layout's refusal of the world they make."""
+    nodes, here = (os.environ.get(name, "") for name in ("GROUP_WORLD_SIZE",
+                                                          "LOCAL_WORLD_SIZE"))
+    world = dist.get_world_size()
+    if not (nodes.isdigit() and here.isdigit()) or int(nodes) * int(here) == world:
+        return ""
+    return (f" (the world's {world} ranks come from {nodes} nodes, this one running {here}: "
+            "the nodes were started with different --nproc-per-node; give each the same)")
 
 
 def _check_no_copies(cfg: TrainConfig) -> None:
