@@ -139,7 +139,7 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path, mo
     interrupted before its manifest leaves nothing to resume (said). A folder that cannot be
     written, or a transformers model folder, is refused at start-up."""
     from mimo_train.components import checkpoint
-    from mimo_train.components.checkpoint import prepare, resume_point
+    from mimo_train.components.checkpoint import check_folder, prepare, resume_point
     from mimo_train.errors import CheckpointError
 
     assert resume_point(str(tmp_path)) is None
@@ -175,6 +175,10 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path, mo
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="checkpoint.dir .*file/ck cannot be written"):
         prepare(str(tmp_path / "file" / "ck"), resume=False)
+    # and before the model is built (start-up's config phase), nothing made
+    with pytest.raises(CheckpointError, match=f"checkpoint.dir {tmp_path}/file/ck/x cannot be "
+                       rf"written here \({tmp_path}/file is a file\)"):
+        check_folder(str(tmp_path / "file" / "ck" / "x"), resume=False)
     with pytest.raises(CheckpointError, match=f"checkpoint.dir {tmp_path / 'file'} is a file: "
                        "give a folder"):
         prepare(str(tmp_path / "file"), resume=False)

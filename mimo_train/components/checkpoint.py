@@ -94,9 +94,25 @@ def check_folder(root: str, resume: bool) -> None:
     run's ``checkpoint.dir`` or holds nothing a resume can take (nothing written).
     ``prepare`` asks again as it claims it."""
     _check_kind(root)
+    _check_writable(root)
     _check_free(root, resume)
     if resume:
         resume_point(root)
+
+
+def _check_writable(root: str) -> None:
+    """``CheckpointError`` where ``root``, or the folder it would be made in, takes no writes
+    (a read-only file system, another user's folder, a file on its path): looked at, nothing
+    made (``prepare`` writes there, once the model is built)."""
+    where = os.path.abspath(root)
+    while not os.path.lexists(where):
+        where = os.path.dirname(where)
+    if os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK):
+        return
+    why = f"{where} is a file" if not os.path.isdir(where) else \
+        f"{where} takes no writes: read-only, or not this user's"
+    raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({why}): give a "
+                          "writable checkpoint.dir")
 
 
 def _check_kind(root: str) -> None:
