@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -216,9 +217,17 @@ def test_truncate_turns_removes_whole_trailing_turns(records, plain):
     with pytest.raises(SampleDropped) as dropped:
         Preprocessor(config(seq_length=first_length - 2, length_policy="truncate_turns"),
                      with_media=False)(record)
-    assert dropped.value.detail == (
+    assert dropped.value.detail.startswith(
         f"{full_length} tokens, above seq_length {first_length - 2} even with only its "
         f"first turns ({first_length} tokens up to its first answer)")
+    # an image that is most of a sample too long: what lowers its tokens, with the values
+    pictured = next(r for r in records if [m["modality"] for m in r["media"]] == ["image"])
+    with pytest.raises(SampleDropped) as dropped:
+        Preprocessor(config(seq_length=64), with_media=False)(pictured)
+    assert re.fullmatch(r"\d+ tokens, above seq_length 64; \d+ of them its images': lower "
+                        r"modalities.image max_pixels \(200704; min_pixels 3136 is each image's "
+                        r"floor\) for fewer tokens an image, or raise seq_length",
+                        dropped.value.detail), dropped.value.detail
 
 
 def test_a_token_cache_error_while_truncating_names_its_sample(records, monkeypatch):

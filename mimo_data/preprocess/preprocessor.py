@@ -281,8 +281,9 @@ class Preprocessor:
                 if len(shorter.ids) <= limit:
                     return shorter, kept
                 shortest = len(shorter.ids) - 1
-        # a video's share: its placeholders, wraps and (Qwen3-VL) timestamps
+        # a video's share: its placeholders, wraps and (Qwen3-VL) timestamps; the images'
         videos = sum(self.text.span(item) for item in counts if item.modality == "video")
+        images = sum(self.text.span(item) for item in counts if item.modality == "image")
         raise SampleDropped("too_long", f"{len(encoded.ids) - 1} tokens, above seq_length "
                             f"{self.config.seq_length}" +
                             (" (a document is never cut: split it, or raise seq_length)"
@@ -291,7 +292,18 @@ class Preprocessor:
                              "first answer)" if messages and
                              self.config.length_policy == "truncate_turns" else "") +
                             (f"; {videos} of them its videos': {self._video_advice()}, or "
-                             "raise seq_length" if 2 * videos > self.config.seq_length else ""))
+                             "raise seq_length" if 2 * videos > self.config.seq_length else "") +
+                            (f"; {images} of them its images': {self._image_advice()}, or raise "
+                             "seq_length" if 2 * images > self.config.seq_length else ""))
+
+    def _image_advice(self) -> str:
+        """What lowers an image's tokens, with the config's values: its pixel budget where
+        images keep their own size (dynamic), else fewer images a sample."""
+        image = self.config.modalities["image"]
+        if getattr(image, "policy", None) == "dynamic":
+            return (f"lower modalities.image max_pixels ({image.max_pixels}; min_pixels "
+                    f"{image.min_pixels} is each image's floor) for fewer tokens an image")
+        return "give fewer images a sample (each is its fixed count of tokens)"
 
     def _video_advice(self) -> str:
         """What lowers a clip's tokens, with the config's values: its frames (fps, max_frames)
