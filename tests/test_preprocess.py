@@ -930,7 +930,10 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
 
 
 @pytest.mark.parametrize("where, value, said", [
-    ("seq_length", "1024", "seq_length is '1024' (str): it must be a whole number"),
+    ("seq_length", "1024", "seq_length is '1024' (str): it must be a whole number (write 1024, "
+     "without quotes)"),
+    ("seq_length", "1e6", "seq_length is '1e6' (str): it must be a whole number (write 1000000: "
+     "YAML reads 1e6 as text)"),
     ("seq_length", 1024.0,
      "seq_length is 1024.0 (float): it must be a whole number (write 1024)"),
     ("audio.max_duration", "nan", "modalities.audio.max_duration is 'nan' (str): it must be a "
@@ -940,7 +943,8 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
     ("image.merge_size", 2.5,
      "modalities.image.merge_size is 2.5 (float): it must be a whole number"),
     ("image.max_pixels", "200704",
-     "modalities.image.max_pixels is '200704' (str): it must be a whole number"),
+     "modalities.image.max_pixels is '200704' (str): it must be a whole number (write 200704, "
+     "without quotes)"),
     ("image.token", ["<|image_pad|>"],
      "modalities.image.token is ['<|image_pad|>'] (list): it must be text"),
     ("image.wrap", "<|vision_start|>", "modalities.image.wrap is '<|vision_start|>' (str): it "

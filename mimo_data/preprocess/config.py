@@ -314,11 +314,24 @@ def _typed(hint, value, key: str):
         if isinstance(value, option) and not (isinstance(value, bool) and option is not bool):
             return value
     wanted = " or ".join(_KIND_NAMES.get(option, option.__name__) for option in options)
+    written = _whole(value) if int in options else None
     example = (f", e.g. [{value}, ...]" if tuple in options and isinstance(value, str) else
-               f" (write {int(value)})" if int in options and isinstance(value, float) and
-               value.is_integer() else "")
+               f" (write {written}" + ((f": YAML reads {value} as text)" if "e" in value.lower()
+                                         else ", without quotes)") if isinstance(value, str)
+                                        else ")")
+               if written is not None else "")
     raise ConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
                       f"{wanted}{example}")
+
+
+def _whole(value) -> int | None:
+    """The whole number a float or a number's text (``1e6``, which YAML reads as text) is;
+    None where it is none."""
+    try:
+        number = float(value) if isinstance(value, (str, float)) else None
+    except ValueError:
+        return None
+    return int(number) if number is not None and number.is_integer() else None
 
 
 def looks_like_path(value: str, base: str = ".") -> bool:
