@@ -173,3 +173,18 @@ def test_a_trained_user_turn_with_images_between_wrap_tokens_fails(capsys, tmp_p
         assert [entry["detail"] for entry in flagged] == [   # the characters of its text alone
             f"turn 0 (user): {n} of {n} content characters trained" for n in (10, 11)][
             :len(failed)], flagged
+
+
+def test_a_content_with_media_is_found_around_its_wrap_and_timestamp_tokens():
+    """A content's markers match the placeholders in the decoded text with the tokens the
+    template writes around each (wrap tokens, Qwen3-VL's frame timestamps), whole runs only:
+    three clips of 300 frames each are one marker each, and a content that is not there is
+    said so at once (a regex that tried every split of the frames ran for minutes)."""
+    from mimo_data.inspect.stats import _locate
+    clip = "".join(f"<{i / 2:.1f} seconds><|vision_start|>\x00<|vision_end|>" for i in range(300))
+    text = f"<|im_start|>user\n{clip}\n{clip} and {clip}\nWhat happens?<|im_end|>"
+    start, end = text.index("<0.0"), text.index("<|im_end|>")
+    assert _locate(text, "\x00\n\x00 and \x00\nWhat happens?", 0) == (start, end)
+    assert _locate(text, "\x00\n\x00 and \x00\nWhat is missing?", 0) is None
+    assert _locate(text, "\x00 and \x00\nWhat happens?", 0) == (
+        text.index("<0.0", start + 1), end)                             # not the first clip

@@ -462,6 +462,8 @@ def _locate(text: str, content: str, start: int) -> tuple[int, int] | None:
 
 # A medium's placeholders in the decoded text with the tokens written around them: its wrap
 # tokens (<|vision_start|> ... <|vision_end|>, <img> ... </img>), a video's frames each with
-# its timestamp (Qwen3-VL's <0.5 seconds>): a content holding a marker is found there too
-_WRAP = r"(?:<[^<>\x00\n]{1,40}>)*"
-_ITEM = rf"{_WRAP}\x00(?:{_WRAP}\x00)*{_WRAP}"
+# its timestamp (Qwen3-VL's <0.5 seconds>): a content holding a marker is found there too.
+# Whole runs only, never given back (possessive, and not begun inside one): a content not in
+# the text would otherwise try every split of every video's frames between its markers
+_WRAP = r"(?:<[^<>\x00\n]{1,40}>)*+"
+_ITEM = rf"(?<![>\x00]){_WRAP}\x00(?:{_WRAP}\x00)*+{_WRAP}"
