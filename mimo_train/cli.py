@@ -28,7 +28,7 @@ import time
 from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
-from mimo_train.runtime import console
+from mimo_train.runtime import console, launcher
 from mimo_train.config import TrainConfig
 from mimo_train.errors import RunError, StartupError, TrainConfigError
 
@@ -78,6 +78,10 @@ def _main(args, parser: argparse.ArgumentParser) -> int:
         return _print_preprocessing(args.preprocessing_for)
     if not args.config:
         parser.error("--config is required (or --preprocessing-for)")
+    if (why := launcher.unjoined_tasks()) is not None:
+        if os.environ.get("SLURM_PROCID", "0") == "0":      # said once, not by every task
+            print(f"{console.PREFIX}{why}", file=sys.stderr)
+        return 2
     try:
         cfg = TrainConfig.load(args.config, args.overrides)
         from mimo_train.plan import check_training, resolve
@@ -90,10 +94,6 @@ def _main(args, parser: argparse.ArgumentParser) -> int:
     from mimo_train.training.trainer import train
     console.say(f"{console.PREFIX}torch and megatron-core loaded "
                 f"({time.perf_counter() - start:.1f} s)")
-    if (why := distributed.unjoined_tasks()) is not None:
-        if os.environ.get("SLURM_PROCID", "0") == "0":      # said once, not by every task
-            print(f"{console.PREFIX}{why}", file=sys.stderr)
-        return 2
     try:
         trainer = train(plan, args.records)
         if trainer.failure:             # too many skipped steps (components/anomalies.py)

@@ -156,17 +156,18 @@ def test_two_nodes_match_one_node(runs):
 
 def test_tasks_srun_started_without_torchrun_are_refused(monkeypatch, capsys):
     """``srun python -m mimo_train`` on two tasks (no torchrun: no RANK): each task would
-    train alone into one checkpoint.dir, taking the other's checkpoints over; refused (exit 2)
-    before any rank starts, said once (by task 0), with the torchrun line to use. An
+    train a run of its own (into one checkpoint.dir, taking the other's checkpoints over);
+    refused (exit 2) first, before the config is read, said once (by task 0), with the
+    torchrun line to use. An
     allocation's own shell (salloc's: no SLURM_STEP_NUM_TASKS) and torchrun's ranks train."""
     from mimo_train import cli
-    from mimo_train.runtime import distributed
+    from mimo_train.runtime import launcher
     for name in ("RANK", "WORLD_SIZE", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "2")                       # salloc -n 2's shell
-    assert distributed.unjoined_tasks() is None
+    assert launcher.unjoined_tasks() is None
     monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")               # srun -n 2's tasks
-    said = distributed.unjoined_tasks()
+    said = launcher.unjoined_tasks()
     assert said is not None and said.startswith(
         "srun started 2 tasks of this command (SLURM_STEP_NUM_TASKS=2) and no torchrun joined "
         "them into one job") and "srun --ntasks-per-node=1 torchrun --nnodes $SLURM_NNODES" \
@@ -177,11 +178,11 @@ def test_tasks_srun_started_without_torchrun_are_refused(monkeypatch, capsys):
     for task, printed in (("1", ""), ("0", f"mimo-train: {said}\n")):
         monkeypatch.setenv("SLURM_PROCID", task)
         capsys.readouterr()
-        assert cli.main(["--config", str(config), "checkpoint.dir=null", "data.datasets=[/no]",
+        assert cli.main(["--config", str(config), "checkpoint.dir=null",
                          "layout=language=dp1;image=dp1,off0"]) == 2
         assert capsys.readouterr().err.endswith(printed)
     monkeypatch.setenv("RANK", "0")                               # a rank of torchrun's
-    assert distributed.unjoined_tasks() is None
+    assert launcher.unjoined_tasks() is None
 
 
 def test_nodes_started_with_different_rank_counts_are_named(monkeypatch):

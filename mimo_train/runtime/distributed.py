@@ -24,6 +24,7 @@ import functools
 import os
 import socket
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -34,6 +35,7 @@ import torch.distributed as dist
 _control: dist.ProcessGroup | None = None
 # torchrun's store key of a rank's device type, per attempt and per join of this process
 _DEVICE_KEY = "mimo_train/device/{attempt}/{join}/{rank}"
+_round: list[str] = []      # the name of this round of the job's ranks (``device_types``)
 FAILING = "failing"         # the device kind of a rank that joins to report a failure
 _joins = 0
 
@@ -88,6 +90,7 @@ def device_types(kind: str, timeout: timedelta) -> list[str] | None:
     (whose store rank 0's process group makes). The last rank to read them deletes them: an
     elastic job's next round (a node replaced) restarts the ranks with the same keys."""
     global _joins
+    _round.clear()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ or \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -96,9 +99,14 @@ def device_types(kind: str, timeout: timedelta) -> list[str] | None:
     world = int(os.environ["WORLD_SIZE"])
     keys = [_DEVICE_KEY.format(attempt=attempt, join=_joins, rank=rank)
             for rank in range(world)]
-    store.set(keys[int(os.environ["RANK"])], kind)
+    rank = int(os.environ["RANK"])
+    # rank 0 draws the round's name, which its process groups' keys are kept under (a round
+    # restarted by torchrun, or by a node joining an elastic job, finds the keys of the one
+    # before in the store, which outlives both; a node joining keeps the restart count)
+    store.set(keys[rank], f"{kind} {uuid.uuid4().hex}" if rank == 0 else kind)
     store.wait(keys)
-    kinds = [value.decode() for value in store.multi_get(keys)]
+    values = [value.decode() for value in store.multi_get(keys)]
+    kinds, _round[:] = [value.partition(" ")[0] for value in values], [values[0].split()[1]]
     read = _DEVICE_KEY.format(attempt=attempt, join=_joins, rank="read")
     if store.add(read, 1) == world:
         for key in [*keys, read]:
@@ -114,34 +122,19 @@ def _agent_store(timeout: timedelta) -> tuple[dist.TCPStore, str]:
     return store, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
-def unjoined_tasks() -> str | None:
-    """Why this process cannot train although it runs: ``srun`` started several tasks of it
-    (``SLURM_STEP_NUM_TASKS``, which an allocation's shell, ``salloc``'s, lacks) and no
-    torchrun made them ranks of one job, so each would train alone into the same
-    checkpoint.dir; None where it is a rank (``RANK``) or alone."""
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")
-    if "RANK" in os.environ or not tasks.isdigit() or int(tasks) <= 1:
-        return None
-    return (f"srun started {tasks} tasks of this command (SLURM_STEP_NUM_TASKS={tasks}) and no "
-            "torchrun joined them into one job: each would train alone, all into one "
-            "checkpoint.dir. Start one torchrun a node under srun: srun --ntasks-per-node=1 "
-            "torchrun --nnodes $SLURM_NNODES --nproc-per-node GPUS --rdzv-backend c10d "
-            "--rdzv-endpoint HOST:PORT --rdzv-id $SLURM_JOB_ID -m mimo_train ... "
-            "(docs/long-runs.md)")
-
-
 def _join(backend: str, device: torch.device, kwargs: dict) -> None:
     if backend == "nccl":
         # With NCCL, binding the group to this rank's GPU tells barrier() (checkpoint saves)
         # which device to use instead of guessing (torch warns at every barrier otherwise).
         torch.cuda.set_device(device)
         kwargs = {**kwargs, "device_id": device}
-    if "RANK" in os.environ and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's store outlives an attempt: a restart (--max-restarts) finds the ranks'
-        # addresses of the attempt before, and a rank connecting to a dead one failed the
-        # restart (torch prefixes the keys of no attempt): each attempt its own keys
-        store, attempt = _agent_store(kwargs.get("timeout", timedelta(minutes=10)))
-        dist.init_process_group(backend, store=dist.PrefixStore(f"mimo_train/{attempt}", store),
+    if "RANK" in os.environ and _round:
+        # torchrun's store outlives a round: a restart (--max-restarts) found the ranks'
+        # addresses of the round before, and a rank connecting to a dead one failed it (torch
+        # prefixes no round's keys): each round its own (``device_types`` names it)
+        store, _ = _agent_store(kwargs.get("timeout", timedelta(minutes=10)))
+        dist.init_process_group(backend, store=dist.PrefixStore(f"mimo_train/{_round[0]}",
+                                                                store),
                                 rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
         return
