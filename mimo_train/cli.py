@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                         "configs/train/)")
     parser.add_argument("--preprocessing-for", type=user_path, metavar="VLM",
                         help="print the preprocessing config YAML that writes images as the "
-                        "whole VLM at this directory (or cached hub name) expects, and exit")
+                        "whole VLM at this directory (its config.json, or a cached hub name) "
+                        "expects, and exit")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value",
                         help="config overrides, values parsed as YAML, e.g. train.steps=50 "
                         "checkpoint.dir=runs/x")

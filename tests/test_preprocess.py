@@ -934,6 +934,8 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
      "without quotes)"),
     ("seq_length", "1e6", "seq_length is '1e6' (str): it must be a whole number (write 1000000: "
      "YAML reads 1e6 as text)"),
+    ("seq_length", "1.0e+6", "seq_length is '1.0e+6' (str): it must be a whole number (write "
+     "1000000, without quotes)"),
     ("seq_length", 1024.0,
      "seq_length is 1024.0 (float): it must be a whole number (write 1024)"),
     ("audio.max_duration", "nan", "modalities.audio.max_duration is 'nan' (str): it must be a "

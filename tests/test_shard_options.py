@@ -176,12 +176,13 @@ def test_foreign_files_block_the_build_and_stay(capsys, tmp_path, small_input):
     # says a build wrote them (no index, staging, table or killed build's claim): they stay
     wds = tmp_path / "my-webdataset"
     wds.mkdir()
-    for name in ("data-000000.tar", "shard-000001.tar"):
-        (wds / name).write_bytes(b"a user's tar\n")
+    for name in ("data-000000.tar", "shard-000001.tar", "skipped.jsonl"):    # (a list of its
+        (wds / name).write_bytes(b"a user's tar\n")                # own, beside no report)
     before = file_bytes(wds)
     for extra in ((), ("--overwrite",)):
         code, _, err = cli_main(capsys, "build", small_input, "-o", wds, "--no-progress", *extra)
-        assert code == 2 and "a build did not write (data-000000.tar, shard-000001.tar)" in err
+        assert code == 2 and "a build did not write (data-000000.tar, shard-000001.tar, " \
+            "skipped.jsonl)" in err
         assert "`mimo-shard index`" in err, err
         assert file_bytes(wds) == before
 

@@ -316,9 +316,9 @@ def _typed(hint, value, key: str):
     wanted = " or ".join(_KIND_NAMES.get(option, option.__name__) for option in options)
     written = _whole(value) if int in options else None
     example = (f", e.g. [{value}, ...]" if tuple in options and isinstance(value, str) else
-               f" (write {written}" + ((f": YAML reads {value} as text)" if "e" in value.lower()
-                                         else ", without quotes)") if isinstance(value, str)
-                                        else ")")
+               f" (write {written}" + ((", without quotes)" if _number_unquoted(value) else
+                                         f": YAML reads {value} as text)")
+                                        if isinstance(value, str) else ")")
                if written is not None else "")
     raise ConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
                       f"{wanted}{example}")
@@ -332,6 +332,15 @@ def _whole(value) -> int | None:
     except ValueError:
         return None
     return int(number) if number is not None and number.is_integer() else None
+
+
+def _number_unquoted(text: str) -> bool:
+    """Whether YAML reads ``text`` written without quotes as a number (``1024``, ``1.0e+6``;
+    not ``1e6``, which it reads as text)."""
+    try:
+        return isinstance(yaml.safe_load(text), (int, float))
+    except yaml.YAMLError:
+        return False
 
 
 def looks_like_path(value: str, base: str = ".") -> bool:

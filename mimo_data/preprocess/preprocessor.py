@@ -300,7 +300,7 @@ class Preprocessor:
         """What lowers an image's tokens, with the config's values: its pixel budget where
         images keep their own size (dynamic), else fewer images a sample."""
         image = self.config.modalities["image"]
-        if getattr(image, "policy", None) == "dynamic":
+        if image.policy == "dynamic":
             return (f"lower modalities.image max_pixels ({image.max_pixels}; min_pixels "
                     f"{image.min_pixels} is each image's floor) for fewer tokens an image")
         return "give fewer images a sample (each is its fixed count of tokens)"

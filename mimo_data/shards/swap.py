@@ -7,10 +7,11 @@ files are moved in (the report last) and the caller writes the new index. A run 
 or is killed before that leaves the old dataset as it was; one killed during the swap (local
 renames; in a bucket a copy of each shard on the store's side) leaves no index, which the
 next run cleans up. A run that keeps no sample makes no dataset: an old one stays, the run's
-report beside it as ``report.failed.json``; without an old one the report is the output's
-``report.json``. An output without a complete dataset (no index) holds nothing worth keeping:
-it is emptied before the run, which needs no room for two datasets then. The callers have
-checked that the output holds only their files.
+report and skipped list beside it as ``report.failed.json`` and ``skipped.failed.jsonl``;
+without an old one they are the output's ``report.json`` and ``skipped.jsonl``. An output
+without a complete dataset (no index) holds nothing worth keeping: it is emptied before the
+run, which needs no room for two datasets then. The callers have checked that the output
+holds only their files.
 """
 
 from __future__ import annotations

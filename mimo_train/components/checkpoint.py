@@ -109,7 +109,9 @@ def _check_writable(root: str) -> None:
         where = os.path.dirname(where)
     if os.path.isdir(where) and os.access(where, os.W_OK | os.X_OK):
         return
-    why = f"{where} is a file" if not os.path.isdir(where) else \
+    why = f"{where} is a link to {os.readlink(where)}, which is not there" \
+        if os.path.islink(where) and not os.path.exists(where) else \
+        f"{where} is a file" if not os.path.isdir(where) else \
         f"{where} takes no writes: read-only, or not this user's"
     raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({why}): give a "
                           "writable checkpoint.dir")
