@@ -35,7 +35,6 @@ import torch.distributed as dist
 _control: dist.ProcessGroup | None = None
 # torchrun's store key of a rank's device type, per attempt and per join of this process
 _DEVICE_KEY = "mimo_train/device/{attempt}/{join}/{rank}"
-_round: list[str] = []      # the name of this round of the job's ranks (``device_types``)
 FAILING = "failing"         # the device kind of a rank that joins to report a failure
 _joins = 0
 
@@ -51,10 +50,11 @@ def init(device: torch.device, timeout: timedelta | None = None,
     kwargs: dict = {} if timeout is None else {"timeout": timeout}
     kinds = None
     if not dist.is_initialized():
-        kinds = device_types(FAILING if failing else device.type,
-                             timeout or timedelta(minutes=10))
+        joined = device_types(FAILING if failing else device.type,
+                              timeout or timedelta(minutes=10))
+        kinds = joined[0] if joined else None
         on_gpus = set(kinds or [device.type]) == {"cuda"}
-        _join("nccl" if on_gpus else "gloo", device, kwargs)
+        _join("nccl" if on_gpus else "gloo", device, kwargs, joined[1] if joined else None)
     elif device.type == "cuda":         # a job joined by the caller: megatron-core allocates
         torch.cuda.set_device(device)   # on the current device
     if _control is None:
@@ -83,14 +83,14 @@ def _later_groups_time_out(timeout: timedelta) -> None:
     _later_timeout[:] = [timeout]
 
 
-def device_types(kind: str, timeout: timedelta) -> list[str] | None:
+def device_types(kind: str, timeout: timedelta) -> tuple[list[str], dist.Store] | None:
     """Every rank's ``kind`` (its device type, ``cuda`` or ``cpu``, or ``FAILING``) in rank
-    order, through torchrun's agent store before any process group exists (no collective);
-    None outside a torchrun job of several ranks, or under a launcher without an agent store
+    order, through torchrun's agent store before any process group exists (no collective),
+    and that store under this round's own name, which the process groups are made in; None
+    outside a torchrun job of several ranks, or under a launcher without an agent store
     (whose store rank 0's process group makes). The last rank to read them deletes them: an
     elastic job's next round (a node replaced) restarts the ranks with the same keys."""
     global _joins
-    _round.clear()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ or \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -106,12 +106,12 @@ def device_types(kind: str, timeout: timedelta) -> list[str] | None:
     store.set(keys[rank], f"{kind} {uuid.uuid4().hex}" if rank == 0 else kind)
     store.wait(keys)
     values = [value.decode() for value in store.multi_get(keys)]
-    kinds, _round[:] = [value.partition(" ")[0] for value in values], [values[0].split()[1]]
     read = _DEVICE_KEY.format(attempt=attempt, join=_joins, rank="read")
     if store.add(read, 1) == world:
         for key in [*keys, read]:
             store.delete_key(key)
-    return kinds
+    return [value.partition(" ")[0] for value in values], \
+        dist.PrefixStore(f"mimo_train/{values[0].split()[1]}", store)
 
 
 def _agent_store(timeout: timedelta) -> tuple[dist.TCPStore, str]:
@@ -122,20 +122,19 @@ def _agent_store(timeout: timedelta) -> tuple[dist.TCPStore, str]:
     return store, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
-def _join(backend: str, device: torch.device, kwargs: dict) -> None:
+def _join(backend: str, device: torch.device, kwargs: dict, store: dist.Store | None) -> None:
+    """Make the default process group: in this round's ``store`` (``device_types``) where
+    torchrun's agent keeps one, from the environment under another launcher, else alone."""
     if backend == "nccl":
         # With NCCL, binding the group to this rank's GPU tells barrier() (checkpoint saves)
         # which device to use instead of guessing (torch warns at every barrier otherwise).
         torch.cuda.set_device(device)
         kwargs = {**kwargs, "device_id": device}
-    if "RANK" in os.environ and _round:
+    if store is not None:
         # torchrun's store outlives a round: a restart (--max-restarts) found the ranks'
         # addresses of the round before, and a rank connecting to a dead one failed it (torch
-        # prefixes no round's keys): each round its own (``device_types`` names it)
-        store, _ = _agent_store(kwargs.get("timeout", timedelta(minutes=10)))
-        dist.init_process_group(backend, store=dist.PrefixStore(f"mimo_train/{_round[0]}",
-                                                                store),
-                                rank=int(os.environ["RANK"]),
+        # prefixes no round's keys): each round its own
+        dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                 world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
         return
     if "RANK" in os.environ:
