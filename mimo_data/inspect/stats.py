@@ -29,7 +29,7 @@ import bisect
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -371,7 +371,7 @@ class SampleInspector:
 
     @staticmethod
     def _judge(stats: SampleStats, turn: int, role: str, trained: bool, content: str,
-               found: tuple[int, int] | None, text: str, pieces: list[str], starts: list[int],
+               found: Found | None, text: str, pieces: list[str], starts: list[int],
                kinds: list[int], first: int) -> int | None:
         """Count a content's characters in runs of the wrong class (``found``: where it is in
         ``text``, None where it is not; ``trained``: whether the content is in the loss);
@@ -386,9 +386,7 @@ class SampleInspector:
                 stats.coverage_problems.append(f"turn {turn} (assistant): its content "
                                                f"({count} characters) is not in the tokens")
             return None
-        # (at most the content's own: the tokens written around a medium are found with it)
-        count = min(_wrong_chars(found, wrong == 1, text, pieces, starts, kinds, first),
-                    _visible(content))
+        count = _wrong_chars(found, wrong == 1, text, pieces, starts, kinds, first)
         if count:
             if trained:
                 stats.assistant_chars_not_trained += count
@@ -409,12 +407,15 @@ _STAND_INS = re.compile("\ue000([0-9]+)\ue001")
 _MAX_SHAPES = 256      # conversation shapes (roles) whose headers are kept
 
 
-def _wrong_chars(found: tuple[int, int], trained_is_wrong: bool, text: str, pieces: list[str],
+def _wrong_chars(found: Found, trained_is_wrong: bool, text: str, pieces: list[str],
                  starts: list[int], kinds: list[int], first: int) -> int:
     """Visible characters of ``text[found]`` in runs of the wrong class (trained ones where
-    ``trained_is_wrong``, else untrained ones, the first token no one's target)."""
-    a, b = found
-    wrong, count = int(trained_is_wrong), 0
+    ``trained_is_wrong``, else untrained ones, the first token no one's target), those of
+    its media's runs (``found.media``: the tokens around their placeholders) not counted."""
+    inner = sum(_wrong_chars(Found(*span), trained_is_wrong, text, pieces, starts, kinds,
+                             first) for span in found.media)
+    a, b = found.start, found.end
+    wrong, count = int(trained_is_wrong), -inner
     for k in range(bisect.bisect_right(starts, a) - 1, len(pieces)):
         if starts[k] >= b:
             break
@@ -448,16 +449,26 @@ def _visible(text: str) -> int:
     return sum(len(word) for word in text.split()) - text.count(_PLACEHOLDER)
 
 
-def _locate(text: str, content: str, start: int) -> tuple[int, int] | None:
-    """[a, b) of ``content`` in ``text`` from ``start``; whitespace may differ (tokenizers
-    that do not decode it back exactly), and a medium's placeholder may stand between the
-    tokens the template writes around it (``_ITEM``); None when absent."""
+class Found(NamedTuple):
+    """Where a content is in the decoded text: [start, end), and the spans of its media's
+    runs there (their placeholders with the tokens written around them, ``_ITEM``)."""
+    start: int
+    end: int
+    media: tuple[tuple[int, int], ...] = ()
+
+
+def _locate(text: str, content: str, start: int) -> Found | None:
+    """Where ``content`` is in ``text`` from ``start``; whitespace may differ (tokenizers that
+    do not decode it back exactly), and a medium's placeholder may stand between the tokens
+    the template writes around it (``_ITEM``); None when absent."""
     found = text.find(content, start)
     if found >= 0:
-        return found, found + len(content)
-    match = re.compile(r"\s*".join(re.escape(word).replace(re.escape(_PLACEHOLDER), _ITEM)
-                                    for word in content.split())).search(text, start)
-    return match.span() if match else None
+        return Found(found, found + len(content))
+    match = re.compile(r"\s*".join(
+        re.escape(word).replace(re.escape(_PLACEHOLDER), f"({_ITEM})")
+        for word in content.split())).search(text, start)
+    return Found(*match.span(), tuple(match.span(g) for g in range(1, len(match.groups()) + 1))
+                 ) if match else None
 
 
 # A medium's placeholders in the decoded text with the tokens written around them: its wrap
