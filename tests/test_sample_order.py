@@ -103,7 +103,24 @@ def test_a_downsampled_dataset_continues_across_epochs_without_repeats():
     assert sorted(seen[:100]) == list(range(100))
 
 
+def test_a_dataset_of_weight_0_is_left_out_of_the_epoch():
+    """Weight 0 leaves a dataset out: none of its samples drawn, and none counted in the
+    epoch's length, so the others' samples come once an epoch each, not repeated to fill its
+    place."""
+    order = SampleOrder([shape(8), shape(19), shape(10)], 3, global_batch_size=1,
+                        weights=[1, 0, 1])
+    datasets, positions = order.epoch(0)
+    assert order.epoch_length == 18 and order.quotas == [9, 0, 9]
+    assert len(set(positions[datasets == 2].tolist())) == 9     # 9 of its 10, none twice
+    assert 1 not in datasets.tolist()
+    alone = SampleOrder([shape(8), shape(19)], 3, global_batch_size=1, weights=[1, 0])
+    assert alone.epoch_length == 8
+    assert sorted(alone.epoch(0)[1].tolist()) == list(range(8))  # each sample once
+
+
 def test_bad_weights_are_refused():
+    with pytest.raises(OrderError, match="must be finite"):
+        SampleOrder([shape(4), shape(4)], 0, 1, weights=[float("inf"), 1])
     with pytest.raises(OrderError, match="^s3://b/speech has weight 1 but preprocessing keeps "
                        "none of its samples"):
         SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1, weights=[1, 1],

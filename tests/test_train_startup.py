@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -164,7 +165,7 @@ CASES = [
     ("a dataset given twice", "default",
      ["data.datasets=[{tmp}/corpus,{tmp}/corpus/]"], "config",
      ["data.datasets gives {tmp}/corpus twice: each of its samples would train twice an "
-      "epoch; to draw from it more often, give data.weights"]),
+      "epoch; give it once (to draw from it more often, data.weights)"]),
     ("a validation set smaller than a global batch", "default",
      ["data.valid=[{tmp}/one]", "train.eval_interval=2"], "data",
      ["data.valid ({tmp}/one): an epoch holds 1 kept samples, fewer than one global batch"]),
@@ -517,12 +518,18 @@ def test_a_bucket_dataset_given_twice_in_two_spellings_is_refused(datasets):
 
     from mimo_train.errors import TrainConfigError
     from mimo_train.training.start_checks import _check_each_once
-    config = SimpleNamespace(data=SimpleNamespace(datasets=datasets, valid=[]))
+    config = SimpleNamespace(data=SimpleNamespace(datasets=datasets, valid=[], weights=None))
     with pytest.raises(TrainConfigError, match=f"data.datasets gives {datasets[1]} twice "
                        rf"\(first as {datasets[0]}\)"):
         _check_each_once(config)
     _check_each_once(SimpleNamespace(data=SimpleNamespace(datasets=datasets[:1] + [
-        datasets[0] + "-other"], valid=[])))                 # two datasets: nothing to say
+        datasets[0] + "-other"], valid=[], weights=None)))  # two datasets: nothing to say
+    # the dry run's and mimo-inspect's DataSource refuses it alike, before opening anything
+    from mimo_data.loading.loader import DataSource
+    with pytest.raises(ValueError, match=re.escape(
+            f"{datasets[1]} twice (first as {datasets[0]}) given: each of its samples would "
+            "be drawn twice an epoch; give it once, with a larger weight")):
+        DataSource(datasets, REPO / "configs" / "preprocess.yaml", weights=[1, 3])
 
 
 def test_a_copy_of_a_dataset_given_beside_it_is_refused(tmp_path, loader_corpus):

@@ -57,6 +57,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -80,6 +81,7 @@ from mimo_data.tally import Tally
 from mimo_data.loading.sample_order import (DatasetShape, SampleOrder, TooFewSamples,
                                              micro_batch_slice)
 from mimo_data.modalities import MODALITIES
+from mimo_data.shards import storage
 from mimo_data.shards.format import ShardRecord
 from mimo_data.shards.index import remake
 from mimo_data.shards.reader import ShardReader
@@ -171,6 +173,23 @@ class _Read:
     sample: Sample | None = None
 
 
+def given_twice(directories: list[str]) -> tuple[str, str] | None:
+    """The first dataset of ``directories`` given twice, and its first spelling (the same
+    place named another way: a trailing slash, a link, ``storage.canonical``); None where
+    each is given once."""
+    seen: dict[str, str] = {}                   # place -> its first spelling
+    for directory in directories:
+        first = seen.setdefault(storage.canonical(directory), directory)
+        if first is not directory:
+            return directory, first
+    return None
+
+
+def twice_said(directory: str, first: str) -> str:
+    """``directory twice``, with the first spelling where it differs."""
+    return f"{directory} twice" + (f" (first as {first})" if first != directory else "")
+
+
 class DataSource:
     """The datasets of a run, opened once per process: readers (memory-mapped sample tables),
     the metadata-only Preprocessor, token tables (kept samples, token counts) with their drop
@@ -196,8 +215,17 @@ class DataSource:
         if weights is not None and len(weights) != len(self.directories):
             raise ValueError(f"{len(weights)} blend weights for {len(self.directories)} "
                              "datasets: give one weight per dataset")
-        if weights is not None and (min(weights) < 0 or not sum(weights) > 0):
-            raise ValueError(f"blend weights {list(weights)} must be >= 0 with a positive sum")
+        if weights is not None and (not all(math.isfinite(w) and w >= 0 for w in weights)
+                                    or not sum(weights) > 0):
+            raise ValueError(f"blend weights {list(weights)}: each a share of the samples, a "
+                             "finite number >= 0, and not all 0")
+        twice = given_twice(self.directories)
+        if twice is not None:
+            raise ValueError(f"{twice_said(*twice)} given: each of its samples would be drawn "
+                             "twice an epoch; "
+                             "give it once" + (", with a larger weight to draw from it more "
+                                               "often" if weights is not None else
+                                               " (to draw from it more often, weights)"))
         self.weights = None if weights is None else [float(w) for w in weights]
 
         def open_readers() -> tuple[list[ShardReader], Preprocessor]:
@@ -232,6 +260,10 @@ class DataSource:
             digest.update(np.packbits(shape.kept).tobytes())
         digest.update(json.dumps(None if self.weights is None else
                                  [w / sum(self.weights) for w in self.weights]).encode())
+        if self.weights is not None and 0 in self.weights:
+            # a dataset of weight 0 sized the epoch until 2026-12-06: a state saved then
+            # resumes to another order, and is refused as other data
+            digest.update(b"weight 0 leaves a dataset out of the epoch")
         self.fingerprint = digest.hexdigest()
 
     def order(self, seed: int, global_batch_size: int, remainder: str = "drop",

@@ -11,7 +11,8 @@ Per dataset and dataset-epoch, reads stay mostly sequential:
    once, each a contiguous stretch of its shard (its samples in the window's shuffled order);
 3. samples that preprocessing drops (the kept mask) are removed.
 
-Blends: an epoch holds ``L = sum of kept samples of all datasets`` samples. Without weights
+Blends: an epoch holds ``L = sum of kept samples of all datasets`` samples (with weights, of
+the datasets of a positive weight: one of weight 0 is left out, and sizes no epoch). Without weights
 each dataset contributes all its kept samples once (exactly once, interleaved). With
 weights, dataset i contributes ``n_i`` = its weight's share of L (largest remainder), read from
 its own endless stream of dataset-epochs: a dataset with fewer kept samples than n_i repeats
@@ -132,7 +133,7 @@ class SampleOrder:
         self.packing = packing
         self.costs = costs
         kept = [d.kept_count for d in self.datasets]
-        self.epoch_length = sum(kept)
+        self.epoch_length = _drawn_from(weights, kept)
         self.quotas = kept if weights is None else _quotas(weights, kept)
         for i, (count, quota) in enumerate(zip(kept, self.quotas)):
             name = names[i] if names else f"dataset {i}"
@@ -252,13 +253,20 @@ def _never_drawn(unseen: list[int], weights: list[float], length: int,
             f"{'it' if one else 'them'} out")
 
 
+def _drawn_from(weights: list[float] | None, kept: list[int]) -> int:
+    """An epoch's samples: the kept samples of every dataset, or with weights of every one
+    of a positive weight (weight 0 leaves a dataset out, its samples too)."""
+    return sum(kept) if weights is None else sum(c for w, c in zip(weights, kept) if w > 0)
+
+
 def _quotas(weights: list[float], kept: list[int]) -> list[int]:
-    """Samples per dataset per epoch: each weight's share of sum(kept), largest remainder."""
+    """Samples per dataset per epoch: each weight's share of the epoch's samples
+    (``_drawn_from``), largest remainder."""
     if len(weights) != len(kept):
         raise OrderError(f"{len(weights)} weights for {len(kept)} datasets: give one per dataset")
-    if any(w < 0 for w in weights) or not sum(weights) > 0:
-        raise OrderError(f"blend weights {weights} must be >= 0 with a positive sum")
-    total = sum(kept)
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
+        raise OrderError(f"blend weights {weights} must be finite and >= 0 with a positive sum")
+    total = _drawn_from(weights, kept)
     shares = [w * total / sum(weights) for w in weights]
     quotas = [int(s) for s in shares]
     by_remainder = sorted(range(len(shares)), key=lambda i: (quotas[i] - shares[i], i))

@@ -12,7 +12,7 @@ import os
 import torch.distributed as dist
 
 from mimo_data.loading.layout import Layout, LayoutError
-from mimo_data.loading.loader import variable_token_modalities
+from mimo_data.loading.loader import given_twice, twice_said, variable_token_modalities
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
 from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
@@ -141,24 +141,20 @@ def _check_each_once(cfg: TrainConfig) -> None:
     samples would train twice an epoch) or in ``data.valid``, also as another spelling of its
     path (a trailing slash, a link); one in both lists is said (a validation loss of trained
     samples: a check that the run fits its data, or a mistake)."""
-    trained: dict[str, str] = {}                # where -> data.datasets' spelling
     for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
-        seen: dict[str, str] = {}               # where -> its first spelling in this list
-        for directory in directories:
-            here = storage.canonical(directory)     # one place, any spelling
-            if here in seen:
-                first = seen[here]
-                raise TrainConfigError(
-                    f"{key} gives {directory} twice" + (
-                        f" (first as {first})" if first != directory else "") +
-                    ": each of its samples " + (
-                        "would train twice an epoch; to draw from it more often, give "
-                        "data.weights" if key == "data.datasets" else
-                        "would count twice in the validation loss"))
-            seen[here] = directory
-            if key == "data.valid" and here in trained:
-                say(f"{PREFIX}data.valid {directory} is in data.datasets too" + (
-                    f" (as {trained[here]})" if trained[here] != directory else "") +
-                    ": the validation loss is of samples the run trains on")
-        if key == "data.datasets":
-            trained = seen
+        twice = given_twice(list(directories))
+        if twice is not None:
+            raise TrainConfigError(f"{key} gives {twice_said(*twice)}: each of its samples " + (
+                "would train twice an epoch; give it once" + (
+                    ", with a larger weight in data.weights to draw from it more often"
+                    if cfg.data.weights is not None else
+                    " (to draw from it more often, data.weights)")
+                if key == "data.datasets" else
+                "would count twice in the validation loss; give it once"))
+    trained = {storage.canonical(directory): directory for directory in cfg.data.datasets}
+    for directory in cfg.data.valid:
+        here = storage.canonical(directory)     # one place, any spelling
+        if here in trained:
+            say(f"{PREFIX}data.valid {directory} is in data.datasets too" + (
+                f" (as {trained[here]})" if trained[here] != directory else "") +
+                ": the validation loss is of samples the run trains on")
