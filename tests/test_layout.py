@@ -136,6 +136,12 @@ def test_every_module_dp_must_divide_the_global_micro_batch():
     message = _error("language=dp1;image=dp2", 3, global_batch=8, micro=1)
     assert "'image' has dp 2" in message and "global micro-batch of 1" in message
     assert "multiple of 2" in message
+    # a module fanning in (ranks of its own, more of them): the media split is named too
+    assert message.endswith("; or let its ranks cut each language rank's media between them "
+                            "(data.split_media: true in training; mimo-inspect plan checks it "
+                            "with --model TRAIN.yaml beside --layout)")
+    colocated = _error("language=tp2,dp2,off0;image=dp4,off0", 4, micro=1, global_batch=2)
+    assert "'image' has dp 4" in colocated and "split_media" not in colocated
     Layout.parse("language=dp1;image=dp2").validate(3, 8, 2)      # micro 2: fine
 
 
@@ -165,6 +171,14 @@ def test_modalities_need_an_encoder_and_encoders_need_a_modality():
     message = _error("imag=dp1,video;language=dp1", 2, modalities=["image", "video"])
     assert "no module serves image (module 'imag' is named close to 'image': a module named " \
         "'image' serves image): add an encoder module" in message
+    # and a module serving what the preprocessing never expands would get nothing: refused
+    # (mimo-inspect plan and the dry run as mimo_train's config phase)
+    assert _error("language=dp2;image=dp1;audio=dp1;video=dp1", 5, modalities=[
+        "image", "audio"]) == "module 'video' serves video, which the preprocessing config " \
+        "does not expand: add modalities.video to the config or drop the module (its ranks " \
+        "would get no data)"
+    assert _error("language=dp1;image=dp1,video", 2, modalities=["image"]).endswith(
+        "add modalities.video to the config or serve image alone from it")
 
 
 def test_roles_of_a_non_colocated_pipeline_layout():

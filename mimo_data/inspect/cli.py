@@ -550,7 +550,9 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
         if args.split_media:        # the per-rank figures below count whole micro-batches
             print("mimo-inspect plan: error: --split-media goes with the layout advisor "
                   "(--model M --gpus N), which counts each encoder rank's part; a --layout "
-                  "plan draws whole micro-batches: drop --split-media there", file=sys.stderr)
+                  "plan draws whole micro-batches: drop --split-media there (to check a "
+                  "layout for a run with data.split_media: true, give its training YAML as "
+                  "--model beside --layout)", file=sys.stderr)
             return 2
         return run_plan(args, config)
     if advisor is None:

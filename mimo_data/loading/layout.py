@@ -461,6 +461,8 @@ class Layout:
                                   f"{LANGUAGE!r} has dp {language.dp}: one must divide the "
                                   "other (the bridge fans each encoder DP rank out to, or in "
                                   "from, a whole number of language DP ranks); change either dp")
+        if modalities is not None:
+            self.check_expanded(modalities)
         for modality in modalities or ():
             if modality not in self.modalities:
                 default = (" (a config without a modalities key expands images and audio: "
@@ -501,6 +503,21 @@ class Layout:
                     f"variable token count per sample into {LANGUAGE!r} (dp {language.dp}): "
                     "megatron-core 0.19's colocated bridge splits encoder output evenly, which "
                     f"needs equal token counts per sample. {fix}{fixed}")
+
+    def check_expanded(self, modalities) -> None:
+        """LayoutError for an encoder module serving a modality outside ``modalities`` (the
+        preprocessing config's): no sample holds one, so the module, or that part of it,
+        would get nothing to encode."""
+        for module in self.encoders:
+            served = self.modalities_of(module.name)
+            missing = [m for m in served if m not in modalities]
+            if missing:
+                rest = [m for m in served if m in modalities]
+                fix = (f"serve {'/'.join(rest)} alone from it" if rest else
+                       "drop the module (its ranks would get no data)")
+                raise LayoutError(f"module {module.name!r} serves {'/'.join(missing)}, which "
+                                  "the preprocessing config does not expand: add "
+                                  f"modalities.{missing[0]} to the config or {fix}")
 
     def _validate_ranks(self, world_size: int) -> None:
         if self.colocated:
@@ -567,7 +584,10 @@ class Layout:
                     f"{LANGUAGE} dp {self.language.dp}): every module splits each global "
                     f"micro-batch evenly among its DP ranks; make the micro batch a multiple "
                     f"of {module.dp // math.gcd(module.dp, self.language.dp)} or change "
-                    f"{module.name}'s dp")
+                    f"{module.name}'s dp" + (
+                        "; or let its ranks cut each language rank's media between them "
+                        "(data.split_media: true in training; mimo-inspect plan checks it with "
+                        "--model TRAIN.yaml beside --layout)" if self.fans_in(module) else ""))
 
     # ------------------------------------------------------------------------------- roles
 

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from mimo_data.loading.layout import Layout
+from mimo_data.loading.layout import Layout, LayoutError
 from mimo_train.config import EncoderConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import VLM, input_form
@@ -43,14 +43,12 @@ def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | No
                      ) -> dict[str, EncoderSetting]:
     """module name -> its ``EncoderSetting``, validated; ``vlm``: ``model.pretrained``'s."""
     settings = {}
+    try:
+        layout.check_expanded(preprocess.modalities)
+    except LayoutError as error:
+        raise TrainConfigError(f"layout {error}") from None
     for module in layout.encoders:
         served = layout.modalities_of(module.name)
-        for modality in served:
-            if modality not in preprocess.modalities:
-                raise TrainConfigError(
-                    f"layout module {module.name!r} serves {modality}, which the "
-                    "preprocessing config does not expand: add "
-                    f"modalities.{modality} to it or drop the module")
         spec = cfg.model.encoders.get(module.name) or EncoderConfig()
         own = [m for m in served if m in OWN_MODALITIES]
         if len(own) > 1:
