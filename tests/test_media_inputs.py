@@ -424,6 +424,30 @@ def test_audio_features_and_tokens_match_whisper(clips, n_mels):
     assert audio_rows_to_tokens(inputs, cfg) == from_metadata
 
 
+def test_opus_written_by_ffmpeg_decodes_from_its_first_sample(clips):
+    """An Ogg Opus clip from ffmpeg's libopus (a pre-skip of 312 samples at 48 kHz, which
+    soundfile's own writer leaves out): decoded as soundfile.read and ffmpeg decode it, from
+    the clip's first sample, not from the encoder's warm-up 6.5 ms early."""
+    cfg = AudioConfig()
+    speech = reference_waveform(clips[0][1], AudioConfig(sample_rate=48_000))
+    out = io.BytesIO()
+    with av.open(out, "w", format="ogg") as container:
+        stream = container.add_stream("libopus", rate=48_000)
+        frame = av.AudioFrame.from_ndarray(speech[None], format="flt", layout="mono")
+        frame.sample_rate = 48_000
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    data = out.getvalue()
+    waveform = decode_audio(data, cfg)
+    assert probe_audio(data)["frames"] == len(speech)
+    assert np.array_equal(waveform, reference_waveform(data, cfg))
+    with av.open(io.BytesIO(data)) as container:                # ffmpeg's own decode
+        decoded = np.concatenate([f.to_ndarray().mean(axis=0) for f in container.decode(audio=0)])
+    ffmpeg = torchaudio.functional.resample(torch.from_numpy(decoded[:len(speech)]), 48_000,
+                                            cfg.sample_rate).numpy()
+    assert np.abs(waveform - ffmpeg).max() < 1e-3
+
+
 def test_audio_tokens_are_the_encoder_convolutions_output_length(clips):
     """ceil(frames / 2) per reduction is the output length of Whisper's stride-2 convolution."""
     cfg = AudioConfig()

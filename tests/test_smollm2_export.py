@@ -537,8 +537,9 @@ def test_a_clip_that_cannot_be_used_is_refused_as_data(generator, tmp_path):
     soundfile.write(long, np.zeros(int(limit * 16000) + 1600, dtype=np.int16), 16000)
     preprocess = generator.preprocess_path
     for path, said in ((damaged, f"--audio {damaged}: "),
-                       (short, f"--audio {short} has 100 frames, fewer than the 201 samples at "
-                               "16000 Hz log-mel features need: give a longer clip"),
+                       (short, f"--audio {short} lasts 6.2 ms, 100 samples at 16000 Hz: "
+                               "fewer than the 201 one log-mel frame needs (Whisper's window): "
+                               "give a longer clip"),
                        (long, f"--audio {long} lasts {limit + 0.1:g} s, above max_duration "
                               f"{limit} s: cut the clip to modalities.audio.max_duration, or "
                               f"set modalities.audio.long_audio: truncate in {preprocess} for "

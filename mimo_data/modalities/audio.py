@@ -355,6 +355,10 @@ def decode_audio(data: bytes, cfg: AudioConfig, frames: int | None = None) -> np
     """
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as sound:
+            # libsndfile 1.2 skips an Ogg Opus stream's pre-skip (its encoder's warm-up, 312
+            # samples at 48 kHz from libopus/ffmpeg) only after a seek: a read straight after
+            # opening starts 6.5 ms early, as soundfile.read and ffmpeg do not
+            sound.seek(0)
             rate, stated, fmt = sound.samplerate, sound.frames, sound.format.lower()
             samples = sound.read(dtype="float32", always_2d=True)
     except Exception as exc:  # libsndfile errors come as soundfile.LibsndfileError / RuntimeError
@@ -467,11 +471,12 @@ class AudioModality(Modality):
         if audio_too_long(item["frames"], item["sample_rate"], config):
             raise MediaError("audio_too_long", f"{item_name(item)} lasts {item['duration']} s, "
                              f"above max_duration {config.max_duration} s")
-        if resampled_length(item["frames"], item["sample_rate"],
-                            config.sample_rate) < MIN_AUDIO_SAMPLES:
-            raise MediaError("audio_too_short", f"{item_name(item)} has {item['frames']} "
-                             f"frames, fewer than the {MIN_AUDIO_SAMPLES} samples at "
-                             f"{config.sample_rate} Hz log-mel features need")
+        resampled = resampled_length(item["frames"], item["sample_rate"], config.sample_rate)
+        if resampled < MIN_AUDIO_SAMPLES:
+            raise MediaError("audio_too_short", f"{item_name(item)} lasts "
+                             f"{item['frames'] / item['sample_rate'] * 1000:.1f} ms, "
+                             f"{resampled} samples at {config.sample_rate} Hz: fewer than the "
+                             f"{MIN_AUDIO_SAMPLES} one log-mel frame needs (Whisper's window)")
         return self.tokens(item, config)
 
     def variable_tokens(self, config: AudioConfig) -> bool:
