@@ -150,6 +150,14 @@ def case_more_markers_than_images(tmp_path, assets):
                 "marker_mismatch")
 
 
+def case_fewer_markers_than_images(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["images"] = [record.pop("image"), str(assets["jpeg"])]
+    return Case(record, "marker_mismatch", detail="1 <image> marker(s) in the text but 2 "
+                "image item(s) in the record: each item goes where its <image> is in the "
+                "text; write the 1 missing, or leave out the items that have none")
+
+
 def case_a_marker_and_no_item(tmp_path, assets):
     record = _image_record(assets["jpeg"])
     record.pop("image")

@@ -386,6 +386,19 @@ def test_a_hub_speech_table_is_told_which_flags_read_it(capsys, tmp_path, assets
     assert code == 2 and "caption pairs (column 'transcription') and no column of their " \
         "media found (columns are ['gender', 'id', 'path', 'recording', 'transcription']): " \
         "name it with --image-column (or --audio-column" in err, err
+    # a row whose audio is null: skipped, saying which field is empty and what to do
+    pq.write_table(pa.concat_tables([table, pa.table({
+        "id": [1907], "path": ["c.wav"], "audio": pa.array([None], MEDIA),
+        "transcription": ["no clip"], "gender": [0]}).cast(table.schema)]),
+        tmp_path / "null.parquet")
+    code, _, err = cli_main(capsys, "build", tmp_path / "null.parquet", "-o",
+                            tmp_path / "null", "--no-progress", "--caption-column",
+                            "transcription", "--id-column", "path")
+    [skip] = read_json(tmp_path / "null" / "report.json")["skipped_by_reason"][
+        "malformed_record"]["first"]
+    assert code == 0 and skip["detail"] == "the caption pair has no media item (its 'audio' " \
+        "null or empty): a caption goes with one image, audio clip or video; give the record " \
+        "its item, or leave the record out", skip
     samples = _samples_by_id(tmp_path / "out")
     assert sorted(samples) == ["a.wav", "b.flac"]
     for key, data in (("a.wav", wav), ("b.flac", flac)):

@@ -12,6 +12,7 @@ backend): the tests that call it are skipped where torchvision is not installed.
 from __future__ import annotations
 
 import io
+import re
 
 import av
 import numpy as np
@@ -75,6 +76,9 @@ def test_bad_clips_raise_their_reasons(clips, corpus):
         with pytest.raises(MediaError) as caught:
             probe_video(cut.data, check)
         assert caught.value.reason == "corrupt_video"
+        # either way said as cut, against the frames its header declares
+        assert re.search(r"\b\d+ of the \d+ frames the header declares .*truncated",
+                         caught.value.detail), caught.value.detail
     # WebM (Matroska) declares no frame count: a cut one is told by its frames' times
     webm = clips["pan_vp9_30"].data
     for check in ("header", "decode"):

@@ -520,6 +520,9 @@ def _mismatch_hint(markers: int, items: int, markers_first: bool, modality: str,
     if not items:
         return (f": the record gives no item for them (each goes in the record's "
                 f"'{modality}s' list or '{modality}' item, a content part, or a tar's member)")
+    if markers < items:
+        return (f": each item goes where its {MARKERS[modality]} is in the text; write the "
+                f"{items - markers} missing, or leave out the items that have none")
     if markers > items:
         return (f": each {MARKERS[modality]} in a text places an item, so one written as "
                 "words (in a transcript, or a question about the tag) cannot be told from one; "
@@ -612,6 +615,11 @@ def normalize_caption(caption, media: dict[str, list]) -> str:
     """A caption pair's text, checked: a non-empty string (``empty_caption``), valid UTF-8,
     no marker in it, and exactly one media item in ``media`` (``malformed_record``)."""
     items = sum(len(refs) for refs in media.values())
+    if not items:
+        fields = " and ".join(repr(name) for name in media)
+        raise RecordError("malformed_record", "the caption pair has no media item" + (
+            f" (its {fields} null or empty)" if fields else "") + ": a caption goes with one "
+            "image, audio clip or video; give the record its item, or leave the record out")
     if items != 1:
         raise RecordError("malformed_record", f"a caption pair has exactly one media item, "
                           f"this record {items}")

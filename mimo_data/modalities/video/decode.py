@@ -136,7 +136,12 @@ def probe_video(data: bytes, check: str = "decode",
                 if declared and frames >= declared:
                     frames = declared
         except av.FFmpegError as exc:
-            raise MediaError("corrupt_video", "FFmpeg cannot decode the video: "
+            # a file cut short fails its decode where its data ends: said as cut, with the
+            # frames found, as the header check says it
+            cut = (f" after {frames} of the {declared} frames the header declares "
+                   "(truncated or damaged)" if frames and declared and frames < declared
+                   else "")
+            raise MediaError("corrupt_video", f"FFmpeg cannot decode the video{cut}: "
                              f"{_ffmpeg_said(exc)}") from None
     if first is None or frames == 0:
         raise MediaError("corrupt_video", "the video stream decodes to no frames")
