@@ -37,7 +37,10 @@ from support.vlm_runs import logits, transformers_logits
 BASE = MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"
 SAMPLES = 4
 LAYOUT = "layout=language=dp1;image=dp1,off0"
-LORA = ("model.lora={language: {rank: 4, alpha: 8}, image: {rank: 2, alpha: 4, "
+# the language model's second MLP adapted in its last layer only (a layer's own adapter,
+# saved apart from the layers' stacked tensors)
+LORA = ("model.lora={language: {rank: 4, alpha: 8, targets: [linear_qkv, linear_proj, "
+        "linear_fc1, decoder.layers.1.mlp.linear_fc2]}, image: {rank: 2, alpha: 4, "
         "targets: [attn.qkv, mlp.fc2], init_lora_weights: false}}")
 TRAIN_STEPS = 6
 LOGITS_TOLERANCE = 1e-4
@@ -160,6 +163,9 @@ def test_fixed_weights_stay_bitwise_in_the_checkpoint(ranks, setup, full_init, f
             assert module == "language" and ".lora." in key, f"{module}.{key} changed"
             moved.append(key)
     assert sorted(moved) == sorted(k for k in start["language"] if ".lora." in k)
+    assert {k for k in start["language"] if k.startswith("decoder.layers.") and
+            ".linear_fc2.lora." in k} == {"decoder.layers.1.mlp.linear_fc2.lora.a.weight",
+                                          "decoder.layers.1.mlp.linear_fc2.lora.b.weight"}
     assert any(".lora." in k for k in start["image"])
     meta = json.loads((checkpoints / f"step_{TRAIN_STEPS:07d}" / "meta.json").read_text())
     assert meta["lora_base"] == [{"key": "model.pretrained", "path": str(BASE),
@@ -377,8 +383,10 @@ def test_another_lora_rank_or_targets_on_resume_is_named_as_such():
     layer = "language_model.module.decoder.layers.self_attention.linear_qkv."
     saved = {"config": {"model": {"lora": {"language": {"rank": 4}, "image": {"rank": 8}}}}}
     said = "it was saved with model.lora.language.rank 4, this run's is 8: "
-    assert _why_shapes_differ(layer + "lora.a.weight", (4, 64), (8, 64), saved,
-                              True).startswith(said)
+    assert _why_shapes_differ(layer + "lora.a.weight", (4, 64), (8, 64), saved, True) == \
+        said + "resume with the checkpoint's rank, or, for new adapters of another rank, " \
+        "start a new run in another checkpoint.dir from its merged export (mimo-export) as " \
+        "model.pretrained (model.init_from takes its rank only)"     # not init_from alone
     assert _why_shapes_differ(layer + "lora.a.weight", (2, 4, 64), (2, 8, 64),
                               saved, True).startswith(said)
     assert _why_shapes_differ(layer + "lora.b.weight", (2, 64, 4), (2, 64, 8),
@@ -389,6 +397,15 @@ def test_another_lora_rank_or_targets_on_resume_is_named_as_such():
     assert started == said + "start from it with rank 4, or, for new adapters of another " \
         "rank, from its merged export (mimo-export) as model.pretrained, without " \
         "model.init_from"
+    # another alpha (the same shapes): refused alike, pointing at the merged export
+    from mimo_train.components.checkpoint_fit import check_lora_scale
+    from mimo_train.errors import CheckpointError
+    from mimo_train.config import LoraConfig
+    with pytest.raises(CheckpointError, match=r"resume with alpha 16, or, for new adapters "
+                       r"with another alpha, start a new run in another checkpoint.dir from "
+                       r"its merged export \(mimo-export\) as model.pretrained"):
+        check_lora_scale("/ck", {"config": {"model": {"lora": {"language": {"alpha": 16}}}}},
+                         {"language": LoraConfig(alpha=8)})
     # a tower's adapters: its part named; a meta that does not say: the module
     tower = "modality_submodules.image.module.encoder.blocks.attn.qkv."
     assert _why_shapes_differ(tower + "lora.a.weight", (8, 64), (2, 64), saved,

@@ -41,6 +41,7 @@ transformers' losses from the colocated job's micro-batches.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -284,6 +285,16 @@ def test_mixture_of_experts_layers_are_lora_targets():
                                            f"here{fused}: give {ours})"), refused.value
     with pytest.raises(TrainConfigError, match="router .*stays un-adapted"):
         check_language_targets(adapted("router"), 4, 8, shared_expert=True)
+    # a routed expert in some layers only: refused where the layers are stacked alike (its
+    # adapters could not be saved), taken where they differ (a hybrid decoder's)
+    with pytest.raises(TrainConfigError, match=re.escape(
+            "targets adapt decoder.layers.1.mlp.experts.local_experts.0.linear_fc1 but not "
+            "that expert's layer in every decoder layer")):
+        check_language_targets(adapted("shared_experts.linear_fc1",
+                                       "decoder.layers.1.*.local_experts.*"), 4, 8,
+                               shared_expert=True)
+    check_language_targets(adapted("decoder.layers.3.*.local_experts.*"), 4, 8,
+                           shared_expert=True, linear_layers=frozenset({0, 1, 2}))
     names = language_linears(4, 8, shared_expert=True)
     assert not any(".mlp.linear_fc" in name for name in names)
     routed = {n for n in names if ".mlp.experts.local_experts." in n}

@@ -57,8 +57,9 @@ Checkpoint names: a layer's own weights keep theirs (``...linear_qkv.weight``); 
 [out, rank]; SwiGLU's ``linear_fc1`` B stored as its gate and up halves, as megatron-core stores
 the layer; ``in_proj``'s B section by section, ``...in_proj.lora.b.weight.query`` ..., as
 megatron-core stores ``in_proj.weight``; a routed expert's stacked along the expert axis, as
-megatron-core stores the expert's weights), so a LoRA checkpoint resumes under any TP, PP and
-EP.
+megatron-core stores the expert's weights; an adapter that some of the layers megatron-core
+stacks have and others not, as its layer's own tensor, ``decoder.layers.<i>.`` + its name), so
+a LoRA checkpoint resumes under any TP, PP and EP.
 """
 
 from __future__ import annotations
@@ -131,6 +132,19 @@ def check_language_targets(adapted: Iterable[Adapted], num_layers: int, experts:
                     "target the attention, shared_experts.linear_fc1 / linear_fc2 or the "
                     "routed experts (linear_fc1, linear_fc2) instead")
         _check_targets(each, names)
+        # a routed expert's adapter of some layers only cannot be saved where megatron-core
+        # stacks the layers (every layer alike: no gated delta-net layer), its experts'
+        # keys cut once more (``LoraParallelLinear.sharded_state_dict``)
+        some = [] if linear_layers else [
+            name for name in routed_expert_layers(num_layers, experts)
+            if any(matches(t, name) for t in each.spec.targets)
+            and not _in_every_layer(name, each.spec.targets, num_layers)]
+        if some:
+            raise TrainConfigError(
+                f"model.lora.{each.part.name}.targets adapt {some[0]} but not that expert's "
+                "layer in every decoder layer: a routed expert's adapters are saved stacked "
+                "over the layers, so target it in every layer (e.g. "
+                f"'{some[0].split('.', 3)[3]}') or in none")
 
 
 class LoraAdapter(torch.nn.Module):
@@ -243,9 +257,10 @@ class LoraParallelLinear(torch.nn.Module):
     layer's rows per TP rank as sections (a gated delta-net's ``in_proj``: B saved by them)."""
 
     def __init__(self, base, adapter: ParallelLoraAdapter, gated: bool,
-                 sections: Sections | None = None):
+                 sections: Sections | None = None, every_layer: bool = True):
         super().__init__()
         self.base, self.lora, self.gated, self.sections = base, adapter, gated, sections
+        self.every_layer = every_layer
         self.register_state_dict_post_hook(_without_base)
         self.register_load_state_dict_pre_hook(_with_base)
 
@@ -255,14 +270,26 @@ class LoraParallelLinear(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
         state = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
+        saved, offsets = prefix, tuple(sharded_offsets)
+        if not self.every_layer and sharded_offsets:
+            # megatron-core stacks alike layers' tensors along a first axis of every layer
+            # (offset (0, layer, layers)), which an adapter of some layers' cannot fill: it
+            # is saved as its layer's own tensor under its global number, as megatron-core
+            # saves layers that differ (the block then cuts ``layers.<local>.`` out of keys)
+            (axis, layer, _), *rest = sharded_offsets
+            head, found, tail = prefix.partition(".layers.")
+            local, _, inner = tail.partition(".")
+            assert axis == 0 and found and local.isdigit(), prefix
+            saved, offsets = f"{head}.layers.{local}.{layer}.{inner}", tuple(rest)
         for name in ("a", "b"):
             part = getattr(self.lora, name).sharded_state_dict(f"{prefix}lora.{name}.",
-                                                               sharded_offsets, metadata)
+                                                               offsets, metadata)
+            for value in part.values():      # the saved names; the state dict's stay
+                value.key = saved + value.key[len(prefix):]
             key = f"{prefix}lora.b.weight"
             if self.gated and key in part:           # [gate rows; up rows] per TP rank
                 part[key] = apply_swiglu_sharded_factory(
-                    part[key], sharded_offsets,
-                    (metadata or {}).get("singleton_local_shards", False))
+                    part[key], offsets, (metadata or {}).get("singleton_local_shards", False))
             elif self.sections is not None and key in part:
                 part[key] = saved_in_sections(part[key], self.sections.rows,
                                               self.sections.names)
@@ -325,11 +352,19 @@ def add_adapters(module: torch.nn.Module, adapted: Adapted, seed: int,
                 sections = Sections(("gate", "up"), (half, half))
             owner.register_module(child, LoraParallelLinear(
                 layer, ParallelLoraAdapter(layer, spec, _seed(seed, key), sections), gated,
-                sections))
+                sections, _in_every_layer(name, spec.targets, layer.config.num_layers)))
         else:
             layer.register_module("lora", LoraAdapter(layer.in_features, layer.out_features,
                                                       spec, _seed(seed, key)))
             layer.register_forward_hook(_add_adapter_output)
+
+
+def _in_every_layer(name: str, targets: list[str], num_layers: int) -> bool:
+    """Whether the targets adapt the language model's layer ``name``
+    (``decoder.layers.<i>.<rest>``) in every decoder layer, not only in some."""
+    rest = name.split(".", 3)[3]
+    return all(any(matches(t, f"decoder.layers.{i}.{rest}") for t in targets)
+               for i in range(num_layers))
 
 
 def _global_name(root: torch.nn.Module, local: str, layer_offset: int) -> str:
