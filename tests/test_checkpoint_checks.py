@@ -70,8 +70,8 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
     tower = "modality_submodules.image.module.encoders.image.encoder.model.patch_embed.proj.weight"
     saved_model = {"pretrained": "/models/Qwen2-VL-7B", "freeze": ["image"],
                    "language": {"hidden_size": 64, "num_layers": 2}}
-    (tmp_path / "meta.json").write_text(json.dumps({"global_batch_size": 8,
-                                                    "config": {"model": saved_model}}))
+    (tmp_path / "meta.json").write_text(json.dumps({
+        "global_batch_size": 8, "config": {"model": saved_model, "train": {"precision": "fp32"}}}))
     (tmp_path / "integrity.json").write_text(json.dumps({"files": {}}))
     shapes = {tower: (64, 3, 2, 14, 14), "language_model.module.decoder.final_norm.weight": (64,)}
     monkeypatch.setattr(checkpoint_fit.dist_checkpointing, "load_tensors_metadata", lambda _: {
@@ -113,6 +113,18 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
         "another model configuration. Its model settings are this run's: the files they name "
         "(a model folder's config.json, the tokenizer) changed since it was saved"), \
         refused.value
+    # resumed in another precision: said as that, before any tensor (the optimizer's state
+    # differs: megatron-core's own error, or "lacks fp32_param", on some ranks otherwise)
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint_fit.check(str(tmp_path), model(shapes), 8, ["image"], saved_model, "bf16")
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path} was saved by a train.precision fp32 run, this run's is bf16: "
+        "its optimizer state is kept for fp32 (bf16 keeps fp32 main weights beside the "
+        "model's); resume with train.precision fp32, or start a new run from its weights "
+        f"(model.init_from={tmp_path}) in another checkpoint.dir")
+    checkpoint_fit.check(str(tmp_path), model(shapes), 8, ["image"], saved_model, "fp32")
+    checkpoint_fit.check(str(tmp_path), model(shapes), None, settings=saved_model,
+                         precision="bf16")                  # model.init_from: weights only
     # a module this run adds (an audio encoder): named, no changed files blamed
     audio = "modality_submodules.audio.module.encoders.audio.encoder.conv1.weight"
     with pytest.raises(CheckpointError) as refused:

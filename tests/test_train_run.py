@@ -1561,3 +1561,14 @@ def test_a_checkpoint_with_modules_this_model_lacks_is_refused_naming_them(setup
         "checkpoint's modules: audio, image, language; this run's: image, language)")
     assert f"model.init_from={step}" in str(refused.value)
     assert check(str(step), model, None)["step"] == 3
+    # and the other way: a model of a module the checkpoint lacks (another run's
+    # checkpoint.dir), said alike on every rank, those without that module too
+    more = SimpleNamespace(sharded_state_dict=dict, mimo_config=SimpleNamespace(
+        modality_submodules_spec={"image": None, "audio": None, "video": None}))
+    with pytest.raises(CheckpointError) as refused:
+        check(str(step), more, 4)
+    assert str(refused.value) == (
+        f"checkpoint {step} holds no weight of module(s) video of this run's model (the "
+        "checkpoint's modules: audio, image, language): it was saved by a run without them. "
+        "Resume with the checkpoint's model.encoders and layout, or train this model in "
+        "another checkpoint.dir")

@@ -18,13 +18,15 @@ from mimo_train.plan.parts import ENCODER_PARTS
 
 
 def check(directory: str, model, global_batch_size: int | None,
-          freeze: Sequence[str] = (), settings: dict | None = None) -> dict:
+          freeze: Sequence[str] = (), settings: dict | None = None,
+          precision: str | None = None) -> dict:
     """Checks that read no tensor and need no collective (every rank, a start-up phase): the
     checkpoint is complete, holds every weight of this rank's modules with the same global
     shape and, to resume (``global_batch_size`` given), was saved with that global batch size
-    by a run that froze no part this run's ``freeze`` (``model.freeze``) trains; returns its
-    meta. ``settings``: this run's ``model`` section (``TrainConfig.to_dict``), whose
-    differences from the checkpoint's a refusal for another model names."""
+    and ``precision`` (``train.precision``) by a run that froze no part this run's ``freeze``
+    (``model.freeze``) trains; returns its meta. ``settings``: this run's ``model`` section
+    (``TrainConfig.to_dict``), whose differences from the checkpoint's a refusal for another
+    model names."""
     meta = read_meta(directory)
     if global_batch_size is not None and meta.get("global_batch_size") != global_batch_size:
         raise CheckpointError(
@@ -32,6 +34,15 @@ def check(directory: str, model, global_batch_size: int | None,
             f"{meta.get('global_batch_size')}, this run has {global_batch_size}: resuming the "
             "sample stream needs the same global batch size; to start a new run from its "
             f"weights use model.init_from={directory} and a new checkpoint.dir")
+    saved_precision = ((meta.get("config") or {}).get("train") or {}).get("precision")
+    if global_batch_size is not None and None not in (precision, saved_precision) and \
+            saved_precision != precision:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved by a train.precision {saved_precision} run, "
+            f"this run's is {precision}: its optimizer state is kept for "
+            f"{saved_precision} (bf16 keeps fp32 main weights beside the model's); resume "
+            f"with train.precision {saved_precision}, or start a new run from its weights "
+            f"(model.init_from={directory}) in another checkpoint.dir")
     try:
         saved = dist_checkpointing.load_tensors_metadata(directory)
     except Exception as error:        # whatever unpickling a damaged index raises
@@ -39,10 +50,10 @@ def check(directory: str, model, global_batch_size: int | None,
                                   f"({type(error).__name__}: {error})") from None
     sharded = list(nested_values(model.sharded_state_dict()))
     wanted = {t.key: t.global_shape for t in sharded if isinstance(t, ShardedTensor)}
+    _check_modules(directory, model, saved, global_batch_size is not None)
     _check_adapters(directory, {t.key for t in sharded if hasattr(t, "key")}, saved, meta)
     if global_batch_size is None:          # init_from: adapters it lacks keep their init
         wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
-    _check_modules(directory, model, saved, global_batch_size is not None)
     _check_projections(directory, wanted, saved, meta)
     if global_batch_size is not None:
         _check_frozen(directory, meta, saved, freeze)
@@ -81,8 +92,10 @@ def check_lora_scale(directory: str, meta: dict, lora: dict, resume: bool = True
                     f"model.lora.{other}.alpha {float(theirs):g}, this run's model.lora.{part}."
                     f"alpha is {spec.alpha:g}: the same weights would give another model (the "
                     f"adapters scaled by alpha / rank); " + (
-                        f"resume with alpha {float(theirs):g}, or start a new run from its "
-                        "weights (model.init_from) in another checkpoint.dir" if resume else
+                        f"resume with alpha {float(theirs):g}, or, for new adapters with "
+                        "another alpha, start a new run in another checkpoint.dir from its "
+                        "merged export (mimo-export) as model.pretrained (model.init_from "
+                        "takes its alpha only)" if resume else
                         f"start from it with alpha {float(theirs):g}, or, for new adapters "
                         "with another alpha, from its merged export (mimo-export) as "
                         "model.pretrained"))
@@ -104,14 +117,7 @@ def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str],
             "in another checkpoint.dir")
     added = sorted(_saved_modules(missing) - set(modules))
     if added:               # a module this run adds: no setting of the checkpoint's changed
-        return CheckpointError(
-            f"checkpoint {directory} holds no weight of module(s) {', '.join(added)} of this "
-            f"run's model (the checkpoint's modules: {', '.join(modules)}): it was saved by a "
-            "run without them. " + (
-                "Resume with the checkpoint's model.encoders and layout, or train this model "
-                "in another checkpoint.dir" if resuming else
-                "model.init_from takes a checkpoint of the same modules: start with the "
-                "checkpoint's model.encoders and layout, or from another one"))
+        return _without_modules(directory, added, modules, resuming)
     pretrained = model.get("pretrained")
     changes = _model_changes(meta, settings, resuming)
     named = pretrained and "model.pretrained " not in changes     # else the changes name it
@@ -189,8 +195,10 @@ def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict, resuming: bool
             setting = f"model.lora.{parts[0]}.rank {saved}" if len(parts) == 1 else \
                 f"{module}'s adapters at model.lora rank {saved}"
             return f"it was saved with {setting}, this run's is {wanted}: " + (
-                "resume with the checkpoint's rank, or start a new run from its weights "
-                "(model.init_from) in another checkpoint.dir" if resuming else
+                "resume with the checkpoint's rank, or, for new adapters of another rank, "
+                "start a new run in another checkpoint.dir from its merged export "
+                "(mimo-export) as model.pretrained (model.init_from takes its rank only)"
+                if resuming else
                 f"start from it with rank {saved}, or, for new adapters of another rank, from "
                 "its merged export (mimo-export) as model.pretrained, without model.init_from")
     return ANOTHER
@@ -212,14 +220,32 @@ def _saved_modules(keys) -> set[str]:
     return {found[0] for found in map(module_of, keys) if found is not None}
 
 
+def _without_modules(directory: str, added: list[str], modules: list[str],
+                     resuming: bool) -> CheckpointError:
+    """The refusal of a checkpoint saved without this run's modules ``added`` (``modules``:
+    the checkpoint's)."""
+    return CheckpointError(
+        f"checkpoint {directory} holds no weight of module(s) {', '.join(added)} of this "
+        f"run's model (the checkpoint's modules: {', '.join(modules)}): it was saved by a "
+        "run without them. " + (
+            "Resume with the checkpoint's model.encoders and layout, or train this model "
+            "in another checkpoint.dir" if resuming else
+            "model.init_from takes a checkpoint of the same modules: start with the "
+            "checkpoint's model.encoders and layout, or from another one"))
+
+
 def _check_modules(directory: str, model, saved, resuming: bool) -> None:
-    """To resume, the checkpoint holds no module this run's model lacks (whichever ranks
-    hold them): its weights and optimizer state would be dropped."""
+    """To resume, the checkpoint holds the modules of this run's model and no other
+    (whichever ranks hold them), said alike on every rank: a module it lacks is another
+    run's checkpoint; one this run lacks would have its weights and optimizer state
+    dropped."""
     config = getattr(model, "mimo_config", None)
     if not resuming or config is None:
         return
     ours = {"language", *config.modality_submodules_spec}
     theirs = _saved_modules(saved)
+    if ours - theirs:
+        raise _without_modules(directory, sorted(ours - theirs), sorted(theirs), resuming)
     extra = sorted(theirs - ours)
     if extra:
         raise CheckpointError(

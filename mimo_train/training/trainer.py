@@ -249,7 +249,8 @@ class Trainer:
     def _resume(self, directory: str) -> None:
         def checked() -> dict:
             meta = checkpoint_fit.check(directory, self.model, self.cfg.train.global_batch_size,
-                                    self.cfg.model.freeze, self.cfg.to_dict()["model"])
+                                    self.cfg.model.freeze, self.cfg.to_dict()["model"],
+                                    self.cfg.train.precision)
             checkpoint_fit.check_lora_scale(directory, meta, self.cfg.model.lora)
             return meta
         meta = phase("checkpoint check", f"checkpoint {directory}: its index fits this run (its "
