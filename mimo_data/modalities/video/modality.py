@@ -112,8 +112,12 @@ class VideoModality(Modality):
         return {"pixel_values_videos": pixels, "video_grid_thw": grids}
 
     def describe(self, item: Mapping[str, Any]) -> str:
+        # a rotated clip's size is as displayed, its rotation said (transformers' readers
+        # take the stored frames: the transposed grid, docs/vlms-and-video.md)
+        rotated = f", rotated {item['rotation']}°" if item.get("rotation") else ""
         return (f"{item.get('width')}x{item.get('height')} {item.get('codec', '')} "
-                f"{item.get('fps', 0):.3g} fps {item.get('duration', 0):.2f} s").replace("  ", " ")
+                f"{item.get('fps', 0):.3g} fps {item.get('duration', 0):.2f} s"
+                f"{rotated}").replace("  ", " ")
 
     def preview_png(self, data: bytes, item: Mapping[str, Any], config: VideoConfig
                     ) -> tuple[bytes, str]:
