@@ -188,6 +188,19 @@ def test_a_dotted_lora_part_is_one_key_of_an_override():
     assert cfg.model.lora["language"].targets == ["linear_qkv"]
     with pytest.raises(TrainConfigError, match="unknown key.*model.lora.language.rnak"):
         TrainConfig.load(None, ["data.datasets=[x]", "model.lora.language.rnak=4"])
+    # ~key.path removes an entry (where =null keeps it, with its defaults), a dotted part too;
+    # a clash of a module and its part says so
+    parts = ["data.datasets=[x]", "model.lora={image: {rank: 4}, image.projection: {rank: 2}}"]
+    assert list(TrainConfig.load(None, [*parts, "~model.lora.image"]).model.lora) == [
+        "image.projection"]
+    assert list(TrainConfig.load(None, [*parts, "~model.lora.image.projection"]).model.lora) \
+        == ["image"]
+    assert list(TrainConfig.load(None, [*parts, "model.lora.image=null"]).model.lora) == [
+        "image", "image.projection"]
+    for wrong, said in (("~model.lora.audio", "the config sets no model.lora.audio, so there "
+                         "is nothing to remove"), ("~train.steps=3", "takes no value")):
+        with pytest.raises(TrainConfigError, match=said):
+            TrainConfig.load(None, [*parts, wrong])
 
 
 @pytest.mark.parametrize("override, get, expected", [

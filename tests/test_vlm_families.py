@@ -320,6 +320,12 @@ def test_freeze_names_a_module_or_an_encoder_modules_part():
                             "or one of its parts")):
         with pytest.raises(TrainConfigError, match=message):
             prefixes(wrong)
+    # model.lora's entries, a mapping: how an override removes the one the YAML gives
+    with pytest.raises(TrainConfigError) as refused:
+        parse_parts({"image": {}, "image.projection": {}}, layout, "model.lora")
+    assert str(refused.value) == "model.lora names 'image' and 'image.projection': name the " \
+        "module (image) or its parts, not both (an override removes an entry the YAML gives: " \
+        "~model.lora.image)"
 
 
 def test_the_start_up_line_says_what_trains():

@@ -94,14 +94,35 @@ def _lora_part_joined(parts: list[str], lora_settings: frozenset[str], value: An
     return ["model", "lora", ".".join(parts[2:-1]), parts[-1]]
 
 
+def _remove(data: dict, override: str, lora_settings: frozenset[str]) -> None:
+    """``~key.path`` (Hydra's form): remove the key from the raw mapping, a YAML's entry of a
+    mapping (``~model.lora.image``) included, where ``key.path=null`` sets it to null (an
+    entry of its defaults)."""
+    key = override[1:]
+    if not key or "=" in key:
+        raise TrainConfigError(f"override {override!r}: ~key.path removes a key and takes no "
+                               "value (e.g. ~model.lora.image)")
+    node: Any = data
+    parts = _lora_part_joined(key.split("."), lora_settings, None)
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or parts[-1] not in node:
+        raise TrainConfigError(f"override {override!r}: the config sets no {key}, so there is "
+                               "nothing to remove")
+    del node[parts[-1]]
+
+
 def apply_override(data: dict, override: str, base: str,
                    lora_settings: frozenset[str] = frozenset()) -> None:
     """Set ``key.path=value`` in the raw mapping; path values are taken from ``base``;
     ``lora_settings``: the names of a LoRA part's settings (``_lora_part_joined``)."""
+    if override.startswith("~"):
+        _remove(data, override, lora_settings)
+        return
     key, sep, text = override.partition("=")
     if not sep or not key:
         raise TrainConfigError(f"override {override!r} is not key.path=value "
-                               "(e.g. train.steps=50)")
+                               "(e.g. train.steps=50), or ~key.path to remove a key")
     try:
         value = load_yaml(text) if text else None
     except yaml.constructor.ConstructorError as error:      # a key twice: said as it is

@@ -109,7 +109,9 @@ def parse_parts(entries: Iterable[str], layout: Layout, key: str,
             raise TrainConfigError(
                 f"{key} names {clash.name!r} and {part.name!r}: name the module "
                 f"({part.module}) " + ("or one of its parts" if one_per_module else
-                                       "or its parts, not both"))
+                                       "or its parts, not both") +
+                (f" (an override removes an entry the YAML gives: ~{key}.{clash.name})"
+                 if isinstance(entries, dict) else ""))
         found.append(part)
     return tuple(found)
 
