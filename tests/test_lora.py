@@ -355,6 +355,13 @@ def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
                        "not adapt, e.g. .*linear_qkv.lora.a.weight: give this run the same "
                        "model.lora"):
         _check_adapters(str(tmp_path), {layer + "weight"}, saved, meta)
+    # an adapter of one layer only, saved as that layer's tensor beside the stacked weights
+    one = "language_model.module.decoder.layers.1.self_attention.linear_qkv."
+    with pytest.raises(CheckpointError, match="e.g. .*layers.1.self_attention.linear_qkv.lora"):
+        _check_adapters(str(tmp_path), {layer + "weight"}, {layer + "weight",
+                                                             one + "lora.a.weight"}, meta)
+    _check_adapters(str(tmp_path), {layer + "weight", one + "lora.a.weight"},
+                    {layer + "weight", one + "lora.a.weight"}, meta)
 
 
 def test_module_settings_inherit_and_scale_min_lr(tmp_path):

@@ -270,8 +270,8 @@ def test_mixture_of_experts_layers_are_lora_targets():
 
     def adapted(*targets):
         return [Adapted(Part("language"), LoraConfig(targets=list(targets)))]
-    check_language_targets(adapted("shared_experts.linear_fc1", "*.local_experts.7.*"), 4, 8,
-                           shared_expert=True)
+    check_language_targets(adapted("shared_experts.linear_fc1", "*.local_experts.*.linear_fc2"),
+                           4, 8, shared_expert=True)
     with pytest.raises(TrainConfigError, match="names none of its linear layers"):
         check_language_targets(adapted("shared_experts.linear_fc1"), 4, 8)   # none here
     # PEFT's names for the layers: the refusal names megatron-core's
@@ -285,14 +285,23 @@ def test_mixture_of_experts_layers_are_lora_targets():
                                            f"here{fused}: give {ours})"), refused.value
     with pytest.raises(TrainConfigError, match="router .*stays un-adapted"):
         check_language_targets(adapted("router"), 4, 8, shared_expert=True)
-    # a routed expert in some layers only: refused where the layers are stacked alike (its
-    # adapters could not be saved), taken where they differ (a hybrid decoder's)
-    with pytest.raises(TrainConfigError, match=re.escape(
-            "targets adapt decoder.layers.1.mlp.experts.local_experts.0.linear_fc1 but not "
-            "that expert's layer in every decoder layer")):
-        check_language_targets(adapted("shared_experts.linear_fc1",
-                                       "decoder.layers.1.*.local_experts.*"), 4, 8,
-                               shared_expert=True)
+    # some routed experts only, or (where the layers are stacked alike) some layers' only:
+    # refused, as their adapters could not be saved; a hybrid decoder's layers may differ
+    for targets, stacked, said in (
+            (("*.local_experts.7.*",), True, "decoder.layers.0.mlp.experts.local_experts.7."
+             "linear_fc1 but not the linear_fc1 of every routed expert in every decoder layer"),
+            (("decoder.layers.1.*.local_experts.*",), True, "decoder.layers.1.mlp.experts."
+             "local_experts.0.linear_fc1 but not the linear_fc1 of every routed expert in "
+             "every decoder layer: megatron-core saves the experts' weights stacked over the "
+             "experts and the layers, which their adapters must fill: target them all "
+             "('*.local_experts.*.linear_fc1') or none"),
+            (("decoder.layers.3.*.local_experts.7.*",), False, "decoder.layers.3.mlp.experts."
+             "local_experts.7.linear_fc1 but not the linear_fc1 of every routed expert of its "
+             "layer")):
+        with pytest.raises(TrainConfigError, match=re.escape(said)):
+            check_language_targets(adapted(*targets), 4, 8, shared_expert=True,
+                                   linear_layers=frozenset() if stacked else
+                                   frozenset({0, 1, 2}))
     check_language_targets(adapted("decoder.layers.3.*.local_experts.*"), 4, 8,
                            shared_expert=True, linear_layers=frozenset({0, 1, 2}))
     names = language_linears(4, 8, shared_expert=True)

@@ -121,6 +121,10 @@ def test_a_dataset_of_weight_0_is_left_out_of_the_epoch():
 def test_bad_weights_are_refused():
     with pytest.raises(OrderError, match="must be finite"):
         SampleOrder([shape(4), shape(4)], 0, 1, weights=[float("inf"), 1])
+    # the weighted one keeping nothing, beside one of weight 0: said as that, not as an
+    # epoch too short for a global batch
+    with pytest.raises(OrderError, match="^dataset 0 has weight 1 but preprocessing keeps none"):
+        SampleOrder([shape(4, dropped=range(4)), shape(100)], 0, 4, weights=[1, 0])
     with pytest.raises(OrderError, match="^s3://b/speech has weight 1 but preprocessing keeps "
                        "none of its samples"):
         SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1, weights=[1, 1],

@@ -524,6 +524,12 @@ def test_a_bucket_dataset_given_twice_in_two_spellings_is_refused(datasets):
         _check_each_once(config)
     _check_each_once(SimpleNamespace(data=SimpleNamespace(datasets=datasets[:1] + [
         datasets[0] + "-other"], valid=[], weights=None)))  # two datasets: nothing to say
+    # one string object twice (a YAML anchor, [*d, *d]): the same
+    same = yaml.safe_load("- &d s3://bucket/ds\n- *d\n")
+    assert same[0] is same[1]
+    with pytest.raises(TrainConfigError, match="data.datasets gives s3://bucket/ds twice: "):
+        _check_each_once(SimpleNamespace(data=SimpleNamespace(datasets=same, valid=[],
+                                                              weights=None)))
     # the dry run's and mimo-inspect's DataSource refuses it alike, before opening anything
     from mimo_data.loading.loader import DataSource
     with pytest.raises(ValueError, match=re.escape(

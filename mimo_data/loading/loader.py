@@ -179,9 +179,10 @@ def given_twice(directories: list[str]) -> tuple[str, str] | None:
     each is given once."""
     seen: dict[str, str] = {}                   # place -> its first spelling
     for directory in directories:
-        first = seen.setdefault(storage.canonical(directory), directory)
-        if first is not directory:
-            return directory, first
+        place = storage.canonical(directory)
+        if place in seen:
+            return directory, seen[place]
+        seen[place] = directory
     return None
 
 

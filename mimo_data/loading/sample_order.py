@@ -135,10 +135,10 @@ class SampleOrder:
         kept = [d.kept_count for d in self.datasets]
         self.epoch_length = _drawn_from(weights, kept)
         self.quotas = kept if weights is None else _quotas(weights, kept)
-        for i, (count, quota) in enumerate(zip(kept, self.quotas)):
+        for i, count in enumerate(kept):
             name = names[i] if names else f"dataset {i}"
-            if quota and not count:
-                raise OrderError(f"{name} has weight {(weights or [])[i]} but preprocessing "
+            if weights is not None and weights[i] > 0 and not count:
+                raise OrderError(f"{name} has weight {weights[i]} but preprocessing "
                                  "keeps none of its samples: give it weight 0 or fix its "
                                  "data/config")
             if weights is None and not count and len(kept) > 1:     # a mix trained without it

@@ -7,6 +7,7 @@ settings, or start a new run from its weights (``model.init_from``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -299,13 +300,19 @@ def _check_frozen(directory: str, meta: dict, saved, freeze: Sequence[str]) -> N
             "and another checkpoint.dir")
 
 
+_LAYER_NUMBER = re.compile(r"\.layers\.\d+\.")
+
+
 def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
     """A checkpoint with LoRA adapters on layers of this rank's modules that this run does not
     adapt is refused: its weights without them are not the model it saved."""
+    # layers compared stacked: an adapter of some layers is saved as its layer's own tensor
+    # (``decoder.layers.<i>.``) beside the layers' stacked weights (``decoder.layers.``)
+    bases = {_LAYER_NUMBER.sub(".layers.", k) for k in wanted if not is_adapter(k)}
     for key in sorted(saved):      # (a tensor saved in sections: <wanted key>.<section>)
         if is_adapter(key) and key not in wanted and key.rpartition(".")[0] not in wanted:
-            layer = key[:key.index("lora.")]
-            if any(k.startswith(layer) and not is_adapter(k) for k in wanted):
+            layer = _LAYER_NUMBER.sub(".layers.", key[:key.index("lora.")])
+            if any(k.startswith(layer) for k in bases):
                 lora = (meta.get("config") or {}).get("model", {}).get("lora")
                 raise CheckpointError(
                     f"checkpoint {directory} holds LoRA adapters (model.lora: {lora}) on "

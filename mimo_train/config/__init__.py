@@ -427,7 +427,7 @@ class TrainConfig:
                 not all(math.isfinite(w) and w >= 0 for w in self.data.weights)
                 or not sum(self.data.weights) > 0):
             raise TrainConfigError(f"data.weights is {self.data.weights}: each a share of the "
-                                   "samples, >= 0, and not all 0")
+                                   "samples, a finite number >= 0, and not all 0")
         if run.wandb is not None:
             _check_wandb(run.wandb)
         if run.profile is not None and not run.profile.dir:

@@ -132,19 +132,7 @@ def check_language_targets(adapted: Iterable[Adapted], num_layers: int, experts:
                     "target the attention, shared_experts.linear_fc1 / linear_fc2 or the "
                     "routed experts (linear_fc1, linear_fc2) instead")
         _check_targets(each, names)
-        # a routed expert's adapter of some layers only cannot be saved where megatron-core
-        # stacks the layers (every layer alike: no gated delta-net layer), its experts'
-        # keys cut once more (``LoraParallelLinear.sharded_state_dict``)
-        some = [] if linear_layers else [
-            name for name in routed_expert_layers(num_layers, experts)
-            if any(matches(t, name) for t in each.spec.targets)
-            and not _in_every_layer(name, each.spec.targets, num_layers)]
-        if some:
-            raise TrainConfigError(
-                f"model.lora.{each.part.name}.targets adapt {some[0]} but not that expert's "
-                "layer in every decoder layer: a routed expert's adapters are saved stacked "
-                "over the layers, so target it in every layer (e.g. "
-                f"'{some[0].split('.', 3)[3]}') or in none")
+        _check_routed_experts(each, num_layers, experts, stacked=not linear_layers)
 
 
 class LoraAdapter(torch.nn.Module):
@@ -279,7 +267,9 @@ class LoraParallelLinear(torch.nn.Module):
             (axis, layer, _), *rest = sharded_offsets
             head, found, tail = prefix.partition(".layers.")
             local, _, inner = tail.partition(".")
-            assert axis == 0 and found and local.isdigit(), prefix
+            if axis != 0 or not found or not local.isdigit():
+                raise RuntimeError(f"{prefix}: not a layer of megatron-core's stacked layers "
+                                   f"(offsets {sharded_offsets}); its adapter cannot be saved")
             saved, offsets = f"{head}.layers.{local}.{layer}.{inner}", tuple(rest)
         for name in ("a", "b"):
             part = getattr(self.lora, name).sharded_state_dict(f"{prefix}lora.{name}.",
@@ -357,6 +347,30 @@ def add_adapters(module: torch.nn.Module, adapted: Adapted, seed: int,
             layer.register_module("lora", LoraAdapter(layer.in_features, layer.out_features,
                                                       spec, _seed(seed, key)))
             layer.register_forward_hook(_add_adapter_output)
+
+
+def _check_routed_experts(adapted: Adapted, num_layers: int, experts: int,
+                          stacked: bool) -> None:
+    """``TrainConfigError`` for adapters on some of a layer's routed experts, or, where
+    megatron-core stacks the decoder's layers (``stacked``: all alike, no gated delta-net
+    layer), on a routed expert of some layers: megatron-core saves the experts' weights
+    stacked along an expert axis (and then the layers'), which their adapters cannot fill
+    in part."""
+    targets = adapted.spec.targets
+    taken = {name for name in routed_expert_layers(num_layers, experts)
+             if any(matches(t, name) for t in targets)}
+    for name in sorted(taken):    # decoder.layers.<i>.mlp.experts.local_experts.<e>.<fc>
+        layer, fc = name.split(".")[2], name.rpartition(".")[2]
+        layers = range(num_layers) if stacked else [int(layer)]
+        if not {f"decoder.layers.{i}.{ROUTED_EXPERTS}{e}.{fc}" for i in layers
+                for e in range(experts)} <= taken:
+            raise TrainConfigError(
+                f"model.lora.{adapted.part.name}.targets adapt {name} but not the {fc} of "
+                "every routed expert" + (" in every decoder layer" if stacked else
+                                         " of its layer") +
+                ": megatron-core saves the experts' weights stacked over the experts" +
+                (" and the layers" if stacked else "") + ", which their adapters must fill: "
+                f"target them all ('*.local_experts.*.{fc}') or none")
 
 
 def _in_every_layer(name: str, targets: list[str], num_layers: int) -> bool:
