@@ -504,7 +504,7 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     trainer = module.Trainer.__new__(module.Trainer)
     trainer.cfg = SimpleNamespace(
         train=SimpleNamespace(steps=steps, exit_signals=[], eval_interval=0, exit_interval=0,
-                              global_batch_size=4, micro_batch_size=2),
+                              global_batch_size=4, micro_batch_size=2, precision="fp32"),
         checkpoint=SimpleNamespace(interval=0), data=SimpleNamespace(datasets=["d"]),
         model=SimpleNamespace(freeze=[], lora={}, init_from=None), to_dict=lambda: {"model": {}})
     trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
@@ -613,7 +613,7 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path
         load=lambda *args: loaded.append(args) or (1, {})))
     trainer = module.Trainer.__new__(module.Trainer)
     trainer.cfg = SimpleNamespace(
-        train=SimpleNamespace(global_batch_size=4),
+        train=SimpleNamespace(global_batch_size=4, precision="fp32"),
         model=SimpleNamespace(freeze=[], lora={"language": LoraConfig(alpha=64)}),
         to_dict=lambda: {"model": {}})
     trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
