@@ -59,23 +59,27 @@ class Tally:
         self.seen += count
         self.kept += count
 
-    def skip(self, reason: str, location: str, detail: str) -> None:
-        self.skip_many(reason, 1, [(location, detail)])
+    def skip(self, reason: str, location: str, detail: str,
+             record_id: str | None = None) -> None:
+        """One skip; ``record_id``: the record's own id, where it has one (said beside its
+        location, to find it in the user's data)."""
+        self.skip_many(reason, 1, [(location, detail, record_id)])
 
-    def skip_many(self, reason: str, count: int, first: Iterable[tuple[str, str]]) -> None:
-        """``count`` skips for ``reason``, the first ones as ``(location, detail)``; where the
-        skips are written to ``every_skip``, ``first`` gives every one (read as it is written:
-        a generator holds none of them)."""
+    def skip_many(self, reason: str, count: int,
+                  first: Iterable[tuple[str, str] | tuple[str, str, str | None]]) -> None:
+        """``count`` skips for ``reason``, the first ones as ``(location, detail)`` (or with
+        the record's id); where the skips are written to ``every_skip``, ``first`` gives every
+        one (read as it is written: a generator holds none of them)."""
         self.seen += count
-        entries = iter(first)
+        entries = map(_entry, first)
         head = list(itertools.islice(entries, FIRST_LOCATIONS))
         _add(self.skipped, reason, count, head)
         if self.every_skip is None:
             return
         written = 0
-        for location, detail in itertools.chain(head, entries):
-            self.every_skip.write(json.dumps({"reason": reason, "location": location,
-                                              "detail": detail}, ensure_ascii=False) + "\n")
+        for entry in itertools.chain(head, entries):
+            self.every_skip.write(json.dumps({"reason": reason, **entry},
+                                             ensure_ascii=False) + "\n")
             written += 1
         if written != count:
             raise ValueError(f"{count} {reason} skips counted, {written} listed: every one is "
@@ -84,7 +88,7 @@ class Tally:
     def set_aside(self, reason: str, location: str, detail: str) -> None:
         """One thing that is not an item, left out for ``reason`` (counted apart from the
         items seen and skipped)."""
-        _add(self.aside, reason, 1, [(location, detail)])
+        _add(self.aside, reason, 1, [_entry((location, detail))])
 
     @property
     def skipped_total(self) -> int:
@@ -113,12 +117,18 @@ class Tally:
         return line
 
 
+def _entry(item: tuple[str, str] | tuple[str, str, str | None]) -> dict[str, str]:
+    """A skip as reported: its location, the record's id where it has one, the detail."""
+    location, detail, *record_id = item
+    return {"location": location, **({"id": record_id[0]} if record_id and
+                                     record_id[0] is not None else {}), "detail": detail}
+
+
 def _add(by_reason: dict[str, dict], reason: str, count: int,
-         first: list[tuple[str, str]]) -> None:
+         first: list[dict[str, str]]) -> None:
     entry = by_reason.setdefault(reason, {"count": 0, "first": []})
     entry["count"] += count
-    entry["first"].extend({"location": location, "detail": detail} for location, detail
-                          in first[:FIRST_LOCATIONS - len(entry["first"])])
+    entry["first"].extend(first[:FIRST_LOCATIONS - len(entry["first"])])
 
 
 def _reasons(by_reason: dict[str, dict]) -> str:

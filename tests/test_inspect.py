@@ -256,7 +256,9 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
     total = report["checks"][0]["of"]
     assert lines[0] == (f"mimo-inspect report: FAIL skipped_records: 1 of {total} records "
                         f"({1 / total:.2%}) skipped by the build or index (missing_media 1), "
-                        "above --max-skipped-records-fraction 0; "
+                        "above --max-skipped-records-fraction 0; first "
+                        f"{directory.parent / 'faults.jsonl'}:{len(keys) + 1} (id "
+                        "fault-missing-image) missing_media; "
                         f"{directory / 'skipped.jsonl'} names each"), lines[0]
     # each key beside where the build read it and its id (the user's record, not a shard key)
     ids = {key: fault for fault, key in keys.items()}
@@ -269,6 +271,14 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
     assert {c["name"]: c["passed"] for c in report["checks"]} == {
         **{check: not found for check, found in expected.items()},
         "trained_token_fraction": True, "kept_samples": True, "skipped_records": False}
+    # the skipped record asked for by its id: no sample, and why, from skipped.jsonl
+    code, _, err = run(capsys, "sample", directory, "--config", configs["default"], "--key",
+                       "fault-missing-image")
+    assert code == 2 and err.rstrip().endswith(
+        f": the build skipped the record of id 'fault-missing-image' ("
+        f"{directory.parent / 'faults.jsonl'}:{len(keys) + 1}: missing_media: media file "
+        f"{directory.parent / 'no-such-photo.jpg'}: not found (paths are relative to the "
+        "input file's folder, or to --media-root))"), err
 
 
 def test_a_record_that_cannot_be_parsed_is_a_counted_drop_named_by_its_key(

@@ -340,8 +340,11 @@ def _sample(args, config) -> int:
             table = reader.table
             known = (f"keys {table.key(0)} .. {table.key(len(table) - 1)}" if len(table)
                      else "empty dataset")
+            skipped = _skipped_record(args.directory, args.key)
             print(f"mimo-inspect sample: error: no sample with key (or one id) {args.key!r} in "
-                  f"{args.directory} ({len(reader)} samples, {known})", file=sys.stderr)
+                  f"{args.directory} ({len(reader)} samples, {known})" + (
+                      f": the build skipped the record of id {args.key!r} ({skipped})"
+                      if skipped else ""), file=sys.stderr)
             return 2
     elif args.random is not None:
         positions = sorted(random.Random(args.seed or 0).sample(range(len(reader)),
@@ -580,6 +583,22 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
                     layout=layout, seed=args.seed, epoch=args.epoch, steps=args.steps,
                     packing=args.packing)
     return advisor(AdvisorRequest.from_args(args), config, work)
+
+
+def _skipped_record(directory: str, record_id: str) -> str | None:
+    """Where and why the build of ``directory`` skipped the record of ``record_id``, as its
+    skipped.jsonl says (read line by line); None where it names no such record."""
+    from mimo_data.shards import storage
+    from mimo_data.shards.format import SKIPPED_FILE
+    listed = storage.join(directory, SKIPPED_FILE)
+    if storage.is_remote(listed) or not os.path.exists(listed):
+        return None
+    with open(listed, encoding="utf-8") as lines:
+        for line in lines:
+            entry = json.loads(line)
+            if entry.get("id") == record_id:
+                return f"{entry['location']}: {entry['reason']}: {entry['detail']}"
+    return None
 
 
 def _layout_named(text: str) -> str:

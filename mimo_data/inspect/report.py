@@ -571,9 +571,11 @@ def skipped_records(directory: str, index: dict, thresholds: Thresholds) -> dict
     fraction = skipped / read if read else 0.0
     passed = fraction <= limit
     reasons = f" ({', '.join(f'{r} {n}' for r, n in counts.items())})" if counts else ""
+    first = _first_skipped(directory) if skipped and not passed else ""
     said = (f"skipped_records: {skipped} of {read} records ({fraction:.2%}) skipped by the "
             f"build or index{reasons}, {'within' if passed else 'above'} "
             f"--max-skipped-records-fraction {limit:g}" +
+            (f"; {first}" if first else "") +
             (f"; {_where_named(directory)}" if skipped else "") +
             (f"; {chosen} more left out by its split.yaml's excludes" if chosen else "")
             if read else "skipped_records: the dataset's index records no count of the "
@@ -585,6 +587,21 @@ def skipped_records(directory: str, index: dict, thresholds: Thresholds) -> dict
             "what": "records the build or index skipped (in no shard: skipped.jsonl beside "
                     "the index names them)",
             "message": said}
+
+
+def _first_skipped(directory: str, shown: int = 3) -> str:
+    """The first ``shown`` records the build of ``directory`` skipped, as its report.json (a
+    small file) names them: where it read each, its id, and why; "" where it cannot say."""
+    try:
+        by_reason = json.loads(storage.read_bytes(storage.join(directory, REPORT_FILE)))[
+            "skipped_by_reason"]
+        first = [(reason, entry) for reason, by in by_reason.items()
+                 if reason != SPLIT_EXCLUDED for entry in by["first"]][:shown]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    return "first " + ", ".join(
+        f"{entry.get('location')}" + (f" (id {entry['id']})" if "id" in entry else "") +
+        f" {reason}" for reason, entry in first) if first else ""
 
 
 def _where_named(directory: str) -> str:

@@ -453,17 +453,17 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
             if isinstance(result, Prepared) and taken is not None:
                 result = Rejected("duplicate_id", result.location,
                                   f"id {result.id!r} was already taken by {taken[1]}"
-                                  + _duplicate_hint(taken[0], result.source))
+                                  + _duplicate_hint(taken[0], result.source), result.id)
             if isinstance(result, Prepared):
                 try:
                     payloads = result.media_bytes()
                 except RecordError as exc:
-                    result = Rejected(exc.reason, result.location, exc.detail)
+                    result = Rejected(exc.reason, result.location, exc.detail, result.id)
             if isinstance(result, Rejected):
                 if options.strict:
                     raise StrictStop(f"{result.location}: {result.reason}: {result.detail} "
                                      "(--strict stops at the first bad record)")
-                report.skip(result.reason, result.location, result.detail)
+                report.skip(result.reason, result.location, result.detail, result.id)
                 continue
             if result.id is not None:
                 seen_ids.add(result.id, result.source)

@@ -72,6 +72,7 @@ class Rejected:
     reason: str
     location: str
     detail: str
+    id: str | None = None      # the record's own, where it was read and has one
 
 
 @dataclass(frozen=True)
@@ -281,8 +282,10 @@ def _where(modality: str, index: int, path: str | None) -> str:
 
 def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     """Load, normalize and validate one record; never raises for bad input."""
+    record_id = None
     try:
         raw = source.load(task)
+        record_id = raw.id
         messages, text, refs = [], None, raw.media
         counts: dict[str, int] = {}
         if raw.kind == "document":
@@ -321,7 +324,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
                           "bytes": len(data), "path": path, **meta})
             payloads.append(MediaFile(file, len(data)) if file and policy.defer_files else data)
     except RecordError as exc:
-        return Rejected(exc.reason, task.location, exc.detail)
+        return Rejected(exc.reason, task.location, exc.detail, record_id)
     kind, number = task.origin
     return Prepared(id=raw.id, location=task.location,
                     source={"file": source.path, kind: number},
