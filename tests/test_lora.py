@@ -355,13 +355,24 @@ def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
                        "not adapt, e.g. .*linear_qkv.lora.a.weight: give this run the same "
                        "model.lora"):
         _check_adapters(str(tmp_path), {layer + "weight"}, saved, meta)
-    # an adapter of one layer only, saved as that layer's tensor beside the stacked weights
+    # an adapter of one layer only (1 of 2), saved as that layer's tensor beside the stacked
+    # weights: refused by the rank that holds layer 1, not by a pipeline stage of layer 0
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from mimo_train.components.checkpoint_fit import _numbered_layers
     one = "language_model.module.decoder.layers.1.self_attention.linear_qkv."
-    with pytest.raises(CheckpointError, match="e.g. .*layers.1.self_attention.linear_qkv.lora"):
-        _check_adapters(str(tmp_path), {layer + "weight"}, {layer + "weight",
-                                                             one + "lora.a.weight"}, meta)
-    _check_adapters(str(tmp_path), {layer + "weight", one + "lora.a.weight"},
-                    {layer + "weight", one + "lora.a.weight"}, meta)
+    saved = {layer + "weight", one + "lora.a.weight"}
+
+    def held(*layers):
+        tensors = [ShardedTensor.from_rank_offsets(layer + "weight", torch.zeros(2, 2),
+                                                   (0, i, 2), prepend_axis_num=1)
+                   for i in layers]
+        return {layer + "weight"} | _numbered_layers(tensors)
+    for layers in ((0, 1), (1,)):
+        with pytest.raises(CheckpointError, match="e.g. .*layers.1.self_attention.linear_qkv"):
+            _check_adapters(str(tmp_path), held(*layers), saved, meta)
+    _check_adapters(str(tmp_path), held(0), saved, meta)
+    _check_adapters(str(tmp_path), held(0, 1) | {one + "lora.a.weight"}, saved, meta)
 
 
 def test_module_settings_inherit_and_scale_min_lr(tmp_path):

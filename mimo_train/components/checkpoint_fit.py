@@ -7,7 +7,6 @@ settings, or start a new run from its weights (``model.init_from``).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,7 +51,8 @@ def check(directory: str, model, global_batch_size: int | None,
     sharded = list(nested_values(model.sharded_state_dict()))
     wanted = {t.key: t.global_shape for t in sharded if isinstance(t, ShardedTensor)}
     _check_modules(directory, model, saved, global_batch_size is not None)
-    _check_adapters(directory, {t.key for t in sharded if hasattr(t, "key")}, saved, meta)
+    _check_adapters(directory, {t.key for t in sharded if hasattr(t, "key")} |
+                    _numbered_layers(sharded), saved, meta)
     if global_batch_size is None:          # init_from: adapters it lacks keep their init
         wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
     _check_projections(directory, wanted, saved, meta)
@@ -300,19 +300,28 @@ def _check_frozen(directory: str, meta: dict, saved, freeze: Sequence[str]) -> N
             "and another checkpoint.dir")
 
 
-_LAYER_NUMBER = re.compile(r"\.layers\.\d+\.")
+def _numbered_layers(sharded: list) -> set[str]:
+    """The keys of this rank's layers that megatron-core saves stacked (``decoder.layers.``
+    + name, the layer the first axis), each as its own layer's (``decoder.layers.<i>.``):
+    an adapter of some layers is saved so (``LoraParallelLinear.sharded_state_dict``)."""
+    def stacked(key: str) -> bool:
+        return ".layers." in key and not key.partition(".layers.")[2][:1].isdigit()
+    # the rank's layers, read off its tensors' offsets (a factory, SwiGLU's linear_fc1, has
+    # none: it is one of the same layers)
+    held = {t.global_offset[0] for t in sharded if isinstance(t, ShardedTensor) and
+            t.prepend_axis_num and stacked(t.key)}
+    return {t.key.replace(".layers.", f".layers.{layer}.", 1) for t in sharded
+            if hasattr(t, "key") and stacked(t.key) for layer in held}
 
 
 def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
     """A checkpoint with LoRA adapters on layers of this rank's modules that this run does not
-    adapt is refused: its weights without them are not the model it saved."""
-    # layers compared stacked: an adapter of some layers is saved as its layer's own tensor
-    # (``decoder.layers.<i>.``) beside the layers' stacked weights (``decoder.layers.``)
-    bases = {_LAYER_NUMBER.sub(".layers.", k) for k in wanted if not is_adapter(k)}
+    adapt is refused: its weights without them are not the model it saved. ``wanted``: this
+    rank's keys, its stacked layers' also each under its own number (``_numbered_layers``)."""
     for key in sorted(saved):      # (a tensor saved in sections: <wanted key>.<section>)
         if is_adapter(key) and key not in wanted and key.rpartition(".")[0] not in wanted:
-            layer = _LAYER_NUMBER.sub(".layers.", key[:key.index("lora.")])
-            if any(k.startswith(layer) for k in bases):
+            layer = key[:key.index("lora.")]
+            if any(k.startswith(layer) and not is_adapter(k) for k in wanted):
                 lora = (meta.get("config") or {}).get("model", {}).get("lora")
                 raise CheckpointError(
                     f"checkpoint {directory} holds LoRA adapters (model.lora: {lora}) on "
