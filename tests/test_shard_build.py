@@ -216,5 +216,7 @@ def test_info_text_names_the_counts(capsys, corpus_build, corpus_expected):
     code, out, _ = cli_main(capsys, "info", corpus_build)
     assert code == 0
     first = out.splitlines()
+    # the name a build gives is its shards' prefix (--name), said so
+    assert first[0] == f"name      data (--name: its shards' prefix)  ({corpus_build})"
     assert any(line.startswith("samples") and f" {len(corpus_expected)} " in f"{line} "
                for line in first)

@@ -103,7 +103,9 @@ def format_info(info: dict) -> str:
     """The info dict as a short human-readable text."""
     mods, report = info["modalities"], info["report"]
     lines = [
-        f"dataset   {info['name']}  ({info['directory']})",
+        f"name      {info['name']}" + ("" if "shard_root" in info else
+                                         " (--name: its shards' prefix)") +
+        f"  ({info['directory']})",
         f"samples   {info['samples']}  in {info['shards']} shard(s), {info['bytes'] / 1e6:.1f} MB",
         *([f"tars      {info['shard_root']} (indexed where they are; mimo-shard verify checks "
            "they are there as indexed)"] if "shard_root" in info else []),
@@ -123,7 +125,8 @@ def format_info(info: dict) -> str:
         if not counts["samples"]:                      # a modality the dataset does not hold
             continue
         if name == "text_only":
-            lines.append(f"text-only {counts['samples']} samples")
+            lines.append(f"text-only {counts['samples']} sample"
+                         f"{'s' if counts['samples'] != 1 else ''}")
             continue
         stats = info.get(name, {})
         total = (f", {stats['total_hours'] * 60:.1f} min" if "total_hours" in stats else "")
