@@ -256,7 +256,7 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
     total = report["checks"][0]["of"]
     assert lines[0] == (f"mimo-inspect report: FAIL skipped_records: 1 of {total} records "
                         f"({1 / total:.2%}) skipped by the build or index (missing_media 1), "
-                        "above --max-skipped-records-fraction 0; first "
+                        "above --max-skipped-records-fraction 0; e.g. "
                         f"{directory.parent / 'faults.jsonl'}:{len(keys) + 1} (id "
                         "fault-missing-image) missing_media; "
                         f"{directory / 'skipped.jsonl'} names each"), lines[0]

@@ -162,7 +162,7 @@ def test_modalities_need_an_encoder_and_encoders_need_a_modality():
     assert "audio" in message and "no module serves audio" in message
     assert "add an encoder module (e.g. 'audio=dp1')" in message
     assert "or remove modalities.audio from the config" in message and message.endswith(
-        ", which drops the samples holding audio (counted)")
+        ": samples with audio items are then dropped, and counted")
     # videos go to the tower that takes them, not to a module of their own
     message = _error("language=dp1;image=dp1", 2, modalities=["image", "video"])
     assert "no module serves video: add video to the module of the tower that takes it (a " \

@@ -593,11 +593,14 @@ def _skipped_record(directory: str, record_id: str) -> str | None:
     listed = storage.join(directory, SKIPPED_FILE)
     if storage.is_remote(listed) or not os.path.exists(listed):
         return None
-    with open(listed, encoding="utf-8") as lines:
-        for line in lines:
-            entry = json.loads(line)
-            if entry.get("id") == record_id:
-                return f"{entry['location']}: {entry['reason']}: {entry['detail']}"
+    try:
+        with open(listed, encoding="utf-8") as lines:
+            for line in lines:
+                entry = json.loads(line)
+                if entry.get("id") == record_id:
+                    return f"{entry['location']}: {entry['reason']}: {entry['detail']}"
+    except (OSError, ValueError, KeyError, AttributeError):   # a damaged list: not said
+        return None
     return None
 
 

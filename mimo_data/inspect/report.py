@@ -54,6 +54,7 @@ import contextlib
 import gc
 from collections.abc import Callable
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -590,18 +591,21 @@ def skipped_records(directory: str, index: dict, thresholds: Thresholds) -> dict
 
 
 def _first_skipped(directory: str, shown: int = 3) -> str:
-    """The first ``shown`` records the build of ``directory`` skipped, as its report.json (a
-    small file) names them: where it read each, its id, and why; "" where it cannot say."""
+    """``shown`` records the build of ``directory`` skipped, the first of each reason first,
+    as its report.json (a small file) names them: where it read each, its id, and why; ""
+    where it cannot say."""
     try:
         by_reason = json.loads(storage.read_bytes(storage.join(directory, REPORT_FILE)))[
             "skipped_by_reason"]
-        first = [(reason, entry) for reason, by in by_reason.items()
-                 if reason != SPLIT_EXCLUDED for entry in by["first"]][:shown]
+        firsts = [[(reason, entry) for entry in by["first"]]
+                  for reason, by in by_reason.items() if reason != SPLIT_EXCLUDED]
+        first = [each for rank in itertools.zip_longest(*firsts) for each in rank
+                 if each is not None][:shown]
+        return "e.g. " + ", ".join(
+            f"{entry['location']}" + (f" (id {entry['id']})" if "id" in entry else "") +
+            f" {reason}" for reason, entry in first) if first else ""
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return ""
-    return "first " + ", ".join(
-        f"{entry.get('location')}" + (f" (id {entry['id']})" if "id" in entry else "") +
-        f" {reason}" for reason, entry in first) if first else ""
 
 
 def _where_named(directory: str) -> str:

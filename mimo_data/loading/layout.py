@@ -480,8 +480,9 @@ class Layout:
                         f"named {modality!r} serves {modality})") if close else ""
                 raise LayoutError(f"the preprocessing config expands {modality} markers but no "
                                   f"module serves {modality}{typo}: {serve} or "
-                                  f"remove modalities.{modality} from the config{default}, "
-                                  f"which drops the samples holding {modality} (counted)")
+                                  f"remove modalities.{modality} from the config{default}: "
+                                  f"samples with {modality} items are then dropped, and "
+                                  "counted")
         self._validate_batches(global_batch_size, micro_batch_size, split_media)
         for modality in variable_count_modalities:
             name = self.modalities.get(modality)

@@ -357,17 +357,23 @@ def _check_routed_experts(adapted: Adapted, num_layers: int, experts: int,
     stacked along an expert axis (and then the layers'), which their adapters cannot fill
     in part."""
     targets = adapted.spec.targets
-    taken = {name for name in routed_expert_layers(num_layers, experts)
-             if any(matches(t, name) for t in targets)}
-    for name in sorted(taken):    # decoder.layers.<i>.mlp.experts.local_experts.<e>.<fc>
-        layer, fc = name.split(".")[2], name.rpartition(".")[2]
-        layers = range(num_layers) if stacked else [int(layer)]
-        if not {f"decoder.layers.{i}.{ROUTED_EXPERTS}{e}.{fc}" for i in layers
-                for e in range(experts)} <= taken:
+    # the taken experts counted by (layer, fc), or by fc where stacked: one pass, not a set of
+    # every expert built per taken one (start-up at 48 layers of 128 experts)
+    groups: dict[tuple[str, ...], int] = {}
+    first: dict[tuple[str, ...], str] = {}
+    for name in routed_expert_layers(num_layers, experts):
+        if any(matches(t, name) for t in targets):
+            layer, fc = name.split(".")[2], name.rpartition(".")[2]
+            group: tuple[str, ...] = (fc,) if stacked else (layer, fc)
+            groups[group] = groups.get(group, 0) + 1
+            first.setdefault(group, name)
+    for key, count in groups.items():
+        if count != experts * (num_layers if stacked else 1):
+            fc = key[-1]
             raise TrainConfigError(
-                f"model.lora.{adapted.part.name}.targets adapt {name} but not the {fc} of "
-                "every routed expert" + (" in every decoder layer" if stacked else
-                                         " of its layer") +
+                f"model.lora.{adapted.part.name}.targets adapt {first[key]} but not the {fc} "
+                "of every routed expert" + (" in every decoder layer" if stacked else
+                                            " of its layer") +
                 ": megatron-core saves the experts' weights stacked over the experts" +
                 (" and the layers" if stacked else "") + ", which their adapters must fill: "
                 f"target them all ('*.local_experts.*.{fc}') or none")
