@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -300,6 +300,16 @@ def _record_id(value) -> str | None:
     return text
 
 
+def _id_of(read: Callable[[], Any], key: str) -> str | None:
+    """A record's ``key`` as an id, from ``read()`` (the record): None where it has none, or
+    where the record, or its id, cannot be read."""
+    try:
+        record = read()
+        return _record_id(record.get(key)) if isinstance(record, dict) else None
+    except (RecordError, OSError, ValueError):
+        return None
+
+
 def _json_object(raw: bytes, what: str) -> dict:
     try:
         text = raw.decode("utf-8")
@@ -356,6 +366,12 @@ class ConversationFile:
             raise SourceError(f"{self.path}: expected a JSON array of records, "
                               f"got a {json_type(records)}")
         return records
+
+    def record_id(self, task: Task) -> str | None:
+        """The id of the record ``task`` locates, where it has one (for a skip refused while
+        the record was read); None where it cannot be read."""
+        return _id_of(lambda: task.locator if isinstance(task.locator, dict) else
+                      _json_object(task.locator, "the line"), "id")
 
     def load(self, task: Task) -> RawRecord:
         record = task.locator
@@ -417,6 +433,10 @@ class SpeechManifest:
 
     def tasks(self, source: int):
         yield from _line_tasks(self.path, source)
+
+    def record_id(self, task: Task) -> str | None:
+        """The id of the line ``task`` locates, where it has one (``ConversationFile``'s)."""
+        return _id_of(lambda: _json_object(task.locator, "the line"), "id")
 
     def load(self, task: Task) -> RawRecord:
         record = _json_object(task.locator, "the line")
@@ -538,6 +558,15 @@ class ParquetTable:
         for group in range(metadata.num_row_groups):
             starts.append(starts[-1] + metadata.row_group(group).num_rows)
         return starts
+
+    def record_id(self, task: Task) -> str | None:
+        """The id of the row ``task`` locates, where the table has an id column
+        (``ConversationFile``'s)."""
+        column = self.columns["id"]
+        if not column:
+            return None
+        group, offset = task.locator
+        return _id_of(lambda: _read_row_group(self.path, group, (column,))[offset], column)
 
     def load(self, task: Task) -> RawRecord:
         group, offset = task.locator

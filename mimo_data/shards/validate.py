@@ -324,6 +324,8 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
                           "bytes": len(data), "path": path, **meta})
             payloads.append(MediaFile(file, len(data)) if file and policy.defer_files else data)
     except RecordError as exc:
+        if record_id is None:                   # refused while it was read
+            record_id = source.record_id(task)
         return Rejected(exc.reason, task.location, exc.detail, record_id)
     kind, number = task.origin
     return Prepared(id=raw.id, location=task.location,
