@@ -362,7 +362,8 @@ train: {steps: 20}
     (["data.datasets=[]"], "data.datasets is empty"),
     (["data.weights=[1]"], "data.weights has 1 entries for 2 datasets"),
     (["data.weights=[1, 2, 3]"], "data.weights has 3 entries for 2 datasets"),
-    (["data.weights=[-1, 2]"], "data.weights is [-1.0, 2.0]: each a share of the samples, >= 0"),
+    (["data.weights=[-1, 2]"], "data.weights is [-1.0, 2.0]: each a share of the samples, a "
+     "finite number >= 0"),
     (["data.weights=[0, 0]"], "data.weights is [0.0, 0.0]: each a share"),
     (["data.weights=[1, .inf]"], "data.weights is [1.0, inf]: each a share"),
     (["train.steps=0"], "train.steps is 0"),
