@@ -370,8 +370,8 @@ class ConversationFile:
     def record_id(self, task: Task) -> str | None:
         """The id of the record ``task`` locates, where it has one (for a skip refused while
         the record was read); None where it cannot be read."""
-        return _id_of(lambda: task.locator if isinstance(task.locator, dict) else
-                      _json_object(task.locator, "the line"), "id")
+        return _id_of(lambda: _json_object(task.locator, "the line")
+                      if isinstance(task.locator, bytes) else task.locator, "id")
 
     def load(self, task: Task) -> RawRecord:
         record = task.locator
