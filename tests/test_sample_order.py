@@ -119,7 +119,7 @@ def test_a_dataset_of_weight_0_is_left_out_of_the_epoch():
 
 
 def test_bad_weights_are_refused():
-    with pytest.raises(OrderError, match="must be finite"):
+    with pytest.raises(OrderError, match="a finite number >= 0"):
         SampleOrder([shape(4), shape(4)], 0, 1, weights=[float("inf"), 1])
     # the weighted one keeping nothing, beside one of weight 0: said as that, not as an
     # epoch too short for a global batch

@@ -360,12 +360,12 @@ train: {steps: 20}
 
 @pytest.mark.parametrize("overrides, fragment", [
     (["data.datasets=[]"], "data.datasets is empty"),
-    (["data.weights=[1]"], "data.weights has 1 entries for 2 datasets"),
-    (["data.weights=[1, 2, 3]"], "data.weights has 3 entries for 2 datasets"),
-    (["data.weights=[-1, 2]"], "data.weights is [-1.0, 2.0]: each a share of the samples, a "
-     "finite number >= 0"),
-    (["data.weights=[0, 0]"], "data.weights is [0.0, 0.0]: each a share"),
-    (["data.weights=[1, .inf]"], "data.weights is [1.0, inf]: each a share"),
+    (["data.weights=[1]"], "data.weights: 1 blend weights for 2 datasets"),
+    (["data.weights=[1, 2, 3]"], "data.weights: 3 blend weights for 2 datasets"),
+    (["data.weights=[-1, 2]"], "data.weights: blend weights [-1.0, 2.0]: each a share of the "
+     "samples, a finite number >= 0"),
+    (["data.weights=[0, 0]"], "data.weights: blend weights [0.0, 0.0]: each a share"),
+    (["data.weights=[1, .inf]"], "data.weights: blend weights [1.0, inf]: each a share"),
     (["train.steps=0"], "train.steps is 0"),
     (["train.global_batch_size=0"], "train.global_batch_size is 0"),
     (["train.micro_batch_size=-1"], "train.micro_batch_size is -1"),

@@ -57,7 +57,6 @@ import functools
 import hashlib
 import itertools
 import json
-import math
 import multiprocessing
 import os
 import signal
@@ -79,7 +78,7 @@ from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDroppe
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.loading.sample_order import (DatasetShape, SampleOrder, TooFewSamples,
-                                             micro_batch_slice)
+                                             micro_batch_slice, weights_fault)
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
 from mimo_data.shards.format import ShardRecord
@@ -213,13 +212,9 @@ class DataSource:
         self.directories = [str(d) for d in directories]
         self.config = (preprocess_config if isinstance(preprocess_config, PreprocessConfig)
                        else PreprocessConfig.from_yaml(str(preprocess_config)))
-        if weights is not None and len(weights) != len(self.directories):
-            raise ValueError(f"{len(weights)} blend weights for {len(self.directories)} "
-                             "datasets: give one weight per dataset")
-        if weights is not None and (not all(math.isfinite(w) and w >= 0 for w in weights)
-                                    or not sum(weights) > 0):
-            raise ValueError(f"blend weights {list(weights)}: each a share of the samples, a "
-                             "finite number >= 0, and not all 0")
+        fault = None if weights is None else weights_fault(weights, len(self.directories))
+        if fault is not None:
+            raise ValueError(fault)
         twice = given_twice(self.directories)
         if twice is not None:
             raise ValueError(f"{twice_said(*twice)} given: each of its samples would be drawn "

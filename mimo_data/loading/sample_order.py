@@ -259,13 +259,23 @@ def _drawn_from(weights: list[float] | None, kept: list[int]) -> int:
     return sum(kept) if weights is None else sum(c for w, c in zip(weights, kept) if w > 0)
 
 
+def weights_fault(weights: Sequence[float], datasets: int) -> str | None:
+    """What is wrong with blend weights for this many datasets, or None: the one rule the
+    training config, the loader and the sample order each enforce."""
+    if len(weights) != datasets:
+        return f"{len(weights)} blend weights for {datasets} datasets: give one per dataset"
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
+        return (f"blend weights {list(weights)}: each a share of the samples, a finite number "
+                ">= 0, and not all 0")
+    return None
+
+
 def _quotas(weights: list[float], kept: list[int]) -> list[int]:
     """Samples per dataset per epoch: each weight's share of the epoch's samples
     (``_drawn_from``), largest remainder."""
-    if len(weights) != len(kept):
-        raise OrderError(f"{len(weights)} weights for {len(kept)} datasets: give one per dataset")
-    if not all(math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
-        raise OrderError(f"blend weights {weights} must be finite and >= 0 with a positive sum")
+    fault = weights_fault(weights, len(kept))
+    if fault is not None:
+        raise OrderError(fault)
     total = _drawn_from(weights, kept)
     shares = [w * total / sum(weights) for w in weights]
     quotas = [int(s) for s in shares]

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from mimo_data.files import load_yaml
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.loading.balance import BALANCE
 from mimo_data.loading.layout import Layout, LayoutError
+from mimo_data.loading.sample_order import weights_fault
 from mimo_data.shards.storage import redacted
 from mimo_train.config.fields import Count, OneOf, Positive, Range, build, check_fields
 from mimo_train.config.sources import apply_override, resolve_paths
@@ -420,14 +420,10 @@ class TrainConfig:
         if not self.data.datasets:
             raise TrainConfigError("data.datasets is empty: list the shard directories written "
                                    "by mimo-shard build")
-        if self.data.weights is not None and len(self.data.weights) != len(self.data.datasets):
-            raise TrainConfigError(f"data.weights has {len(self.data.weights)} entries for "
-                                   f"{len(self.data.datasets)} datasets: give one per dataset")
-        if self.data.weights is not None and (
-                not all(math.isfinite(w) and w >= 0 for w in self.data.weights)
-                or not sum(self.data.weights) > 0):
-            raise TrainConfigError(f"data.weights is {self.data.weights}: each a share of the "
-                                   "samples, a finite number >= 0, and not all 0")
+        fault = (None if self.data.weights is None
+                 else weights_fault(self.data.weights, len(self.data.datasets)))
+        if fault is not None:
+            raise TrainConfigError(f"data.weights: {fault}")
         if run.wandb is not None:
             _check_wandb(run.wandb)
         if run.profile is not None and not run.profile.dir:
