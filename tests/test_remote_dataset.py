@@ -751,6 +751,26 @@ def test_inspect_report_on_the_url_counts_what_the_local_copy_does(capsys, s3_en
         f"mimo-shard verify {url}" in err, err
 
 
+def test_inspect_sample_says_why_a_bucket_build_skipped_the_record_asked_for(
+        capsys, s3_env, built, tmp_path):
+    """``sample --key`` of a record the build skipped: why, from the bucket's skipped.jsonl,
+    as from a local folder's."""
+    from mimo_data.inspect.cli import main
+
+    entry = {"location": "in.jsonl:7", "reason": "missing_media", "id": "lost-photo",
+             "detail": "media file photo.jpg: not found"}
+    url = _upload(s3_env, {**built.files, "skipped.jsonl": (json.dumps(entry) + "\n").encode()},
+                  "sample-skipped")
+    config = preprocess_config_file(tmp_path / "preprocess.yaml")
+    capsys.readouterr()
+    code = main(["sample", url, "--config", str(config), "--key", "lost-photo",
+                 "--cache-dir", str(tmp_path / "cache")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.rstrip().endswith(
+        ": the build skipped the record of id 'lost-photo' (in.jsonl:7: missing_media: media "
+        "file photo.jpg: not found)"), err
+
+
 # ----------------------------------------------------------------------------------- config
 
 def test_train_config_redacts_storage_secrets_and_keeps_urls(tmp_path, monkeypatch):

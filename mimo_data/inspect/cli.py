@@ -586,15 +586,16 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
 
 
 def _skipped_record(directory: str, record_id: str) -> str | None:
-    """Where and why the build of ``directory`` skipped the record of ``record_id``, as its
-    skipped.jsonl says (read line by line); None where it names no such record."""
+    """Where and why the build of ``directory`` (a folder or a bucket's) skipped the record
+    of ``record_id``, as its skipped.jsonl says (read line by line); None where it names no
+    such record."""
     from mimo_data.shards import storage
     from mimo_data.shards.format import SKIPPED_FILE
     listed = storage.join(directory, SKIPPED_FILE)
-    if storage.is_remote(listed) or not os.path.exists(listed):
-        return None
     try:
-        with open(listed, encoding="utf-8") as lines:
+        if not storage.exists(listed):
+            return None
+        with storage.local_copy(listed) as path, open(path, encoding="utf-8") as lines:
             for line in lines:
                 entry = json.loads(line)
                 if entry.get("id") == record_id:
