@@ -18,6 +18,22 @@ MANIFEST = "integrity.json"        # megatron-core's name (dist_checkpointing.va
 STEP_NAME = r"step_\d{7}"          # a step's checkpoint folder in a checkpoint.dir
 
 
+# the files of one step's save (megatron-core's and torch.distributed.checkpoint's, mimo's)
+_STEP_FILES = re.compile(r"^(integrity\.json|meta\.json|\.metadata|.*\.distcp)$")
+
+
+def is_step_folder(path: str) -> bool:
+    """``path`` is one step's checkpoint (named ``step_NNNNNNN``, or holding a save's files
+    and no step folders), not a run's checkpoint.dir: finished or not."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    if any(re.fullmatch(STEP_NAME, name) for name in names):
+        return False
+    return bool(re.fullmatch(STEP_NAME, os.path.basename(os.path.abspath(path)))) or \
+        any(_STEP_FILES.match(name) for name in names)
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:07d}")
 

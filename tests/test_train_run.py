@@ -196,6 +196,26 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path, mo
     with pytest.raises(CheckpointError, match=f"set model.pretrained={model} and give "):
         prepare(str(model), resume=True)
     assert sorted(os.listdir(model)) == ["config.json", "model-00001-of-00002.safetensors"]
+    # one step's folder (as the run's "checkpoint" line names it), finished or not, and a
+    # dataset's folder: refused before a step is written among what they hold
+    step = tmp_path / "step_0000002"
+    for given in (step, tmp_path / "step_0000004"):
+        with pytest.raises(CheckpointError, match=(
+                f"checkpoint.dir {given} is one step's checkpoint, not a run's checkpoint.dir"
+                rf".*give its checkpoint.dir, {tmp_path}; .*model.init_from={given} ")):
+            check_folder(str(given), resume=True)
+    renamed = tmp_path / "best"                        # a step's folder under another name
+    shutil.copytree(step, renamed)
+    with pytest.raises(CheckpointError, match="best is one step's checkpoint"):
+        prepare(str(renamed), resume=True)
+    assert sorted(os.listdir(renamed)) == ["integrity.json", "meta.json"]
+    dataset = tmp_path / "shards"
+    dataset.mkdir()
+    (dataset / "index.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"checkpoint.dir {dataset} is a dataset .*a "
+                       "folder of its own"):
+        prepare(str(dataset), resume=True)
+    assert os.listdir(dataset) == ["index.json"]
 
 
 def test_a_failed_background_save_raises_its_writers_cause(tmp_path, monkeypatch):

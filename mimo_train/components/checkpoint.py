@@ -48,9 +48,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mimo_data.files import write_atomic
+from mimo_data.shards.format import INDEX_FILE, SAMPLES_FILE
 from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, complete_steps,
-                                           damaged, is_model_folder, latest, read_meta,
-                                           resume_point, step_dir)
+                                           damaged, is_model_folder, is_step_folder, latest,
+                                           read_meta, resume_point, step_dir)
 from mimo_train.components import checkpoint_owner, digests
 from mimo_train.components.checkpoint_fit import module_of
 from mimo_train.components.optimizer import schedule_changes
@@ -118,7 +119,19 @@ def _check_writable(root: str) -> None:
 
 
 def _check_kind(root: str) -> None:
-    """``CheckpointError`` where ``root`` is a model folder or a file."""
+    """``CheckpointError`` where ``root`` is a model folder, one step's checkpoint, a dataset
+    or a file: a run would write its steps among what it holds."""
+    if is_step_folder(root):
+        raise CheckpointError(
+            f"checkpoint.dir {root} is one step's checkpoint, not a run's checkpoint.dir (the "
+            "folder of its step_NNNNNNN folders): to resume that run give its checkpoint.dir, "
+            f"{os.path.dirname(os.path.abspath(root))}; to start a new run from its weights set "
+            f"model.init_from={root} and give checkpoint.dir another folder")
+    if any(os.path.isfile(os.path.join(root, name)) for name in (INDEX_FILE, SAMPLES_FILE)):
+        raise CheckpointError(
+            f"checkpoint.dir {root} is a dataset (its {INDEX_FILE}, {SAMPLES_FILE}): give "
+            "checkpoint.dir a folder of its own, not among the shards (a rebuild with "
+            "--overwrite would delete the checkpoints, a copy of the dataset carry them)")
     if is_model_folder(root):
         raise CheckpointError(
             f"checkpoint.dir {root} is a transformers model folder (config.json and its "
@@ -347,8 +360,9 @@ def _no_space(error: Exception, directory: str) -> CheckpointError | None:
         "full file system or past a quota")
     return CheckpointError(
         f"writing {directory}: {said}{free}: this checkpoint is incomplete, latest not moved "
-        "to it (a resume loads the one before, if any); free space there, keep fewer "
-        "checkpoints (checkpoint.keep_last), or give checkpoint.dir a larger file system",
+        "to it (a resume loads the one before, if any, and ignores this one: it may be "
+        "deleted); free space there, keep fewer checkpoints (checkpoint.keep_last), or give "
+        "checkpoint.dir a larger file system",
         damaged=True)
 
 

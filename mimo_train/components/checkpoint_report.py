@@ -19,13 +19,10 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, complete_steps,
-                                           earlier_steps, latest, meta_of, not_a_step,
-                                           resume_point)
+                                           earlier_steps, is_step_folder, latest, meta_of,
+                                           not_a_step, resume_point)
 from mimo_train.components import checkpoint_owner, digests
 from mimo_train.errors import CheckpointError, IntegrityError
-
-_STEP_FILES = re.compile(r"^(integrity\.json|meta\.json|\.metadata|.*\.distcp)$")
-
 
 @dataclass
 class StepReport:
@@ -77,8 +74,7 @@ def inspect_checkpoints(path: str, every: bool = False, workers: int = 4) -> Fin
     steps = sorted(name for name in names if re.fullmatch(STEP_NAME, name)
                    and os.path.isdir(os.path.join(path, name)))
     if not steps:
-        if not re.fullmatch(STEP_NAME, os.path.basename(os.path.abspath(path))) and \
-                not any(_STEP_FILES.match(name) for name in names):
+        if not is_step_folder(path):
             not_a_step(path)                  # a transformers model folder is said as such
             raise CheckpointError(f"{path} holds no mimo checkpoint: give a run's "
                                   "checkpoint.dir or one of its step_NNNNNNN folders")
