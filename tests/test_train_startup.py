@@ -549,10 +549,10 @@ def test_a_copy_of_a_dataset_given_beside_it_is_refused(tmp_path, loader_corpus)
     copy.mkdir()
     shutil.copy(loader_corpus / "index.json", copy)
 
-    def config(datasets, valid=()):
+    def config(datasets, valid=(), weights=None):
         return SimpleNamespace(data=SimpleNamespace(
             datasets=[str(d) for d in datasets], valid=[str(d) for d in valid],
-            storage_options=None))
+            storage_options=None, weights=weights))
     same = f"gives {loader_corpus} and {copy}, whose index.json are the same (a copy of one " \
         "dataset): each of its samples "
     with pytest.raises(TrainConfigError) as refused:
@@ -563,8 +563,22 @@ def test_a_copy_of_a_dataset_given_beside_it_is_refused(tmp_path, loader_corpus)
         _check_no_copies(config([loader_corpus], [loader_corpus, copy]))
     assert str(refused.value) == f"data.valid {same}would count twice in the validation " \
         "loss; give it once"
+    # an index of one of its shards (read in place, say): that shard's samples twice
     index = json.loads((copy / "index.json").read_text())
-    index["shards"] = index["shards"][:1]                   # another dataset: nothing to say
+    shard = index["shards"][1]
+    index["shards"] = [shard]
+    index["shard_root"] = str(loader_corpus)
+    (copy / "index.json").write_text(json.dumps(index))
+    with pytest.raises(TrainConfigError) as refused:
+        _check_no_copies(config([loader_corpus, copy]))
+    assert str(refused.value) == (
+        f"data.datasets gives {loader_corpus} and {copy}, which both hold shard "
+        f"{shard['name']} (the same bytes: two indexes of the same tars, or a copy): its "
+        f"{shard['samples']} samples would train twice an epoch; give each shard in one "
+        "dataset (mimo-shard index takes a list of tars)")
+    # ... unless one of them draws nothing (weight 0)
+    _check_no_copies(config([loader_corpus, copy], weights=[1, 0]))
+    shard["sha256"] = "0" * 64                              # another dataset: nothing to say
     (copy / "index.json").write_text(json.dumps(index))
     _check_no_copies(config([loader_corpus, copy], [loader_corpus, copy]))
 

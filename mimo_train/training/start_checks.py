@@ -115,25 +115,54 @@ def _uneven_nodes() -> str:
 
 def _check_no_copies(cfg: TrainConfig) -> None:
     """``TrainConfigError`` for two directories of one list whose index.json are the same
-    bytes: a copy of one dataset (or one rebuilt alike), whose samples, listed with their
-    shards' hashes, would train (or count) twice an epoch, whatever the paths."""
-    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
+    bytes (a copy of one dataset, or one rebuilt alike), or that hold one shard (the same
+    bytes, by its hash in each index: two indexes of the same tars read in place, say): its
+    samples would train (or count) twice an epoch, whatever the paths. A dataset of weight 0
+    draws nothing: not compared."""
+    weights = cfg.data.weights or [1.0] * len(cfg.data.datasets)
+    drawn = [d for d, weight in zip(cfg.data.datasets, weights) if weight > 0]
+    for key, directories in (("data.datasets", drawn), ("data.valid", cfg.data.valid)):
         seen: dict[bytes, str] = {}
+        shards: dict[str, tuple[str, str]] = {}     # a shard's sha256 -> dataset, its name
+        twice = ("would train twice an epoch" if key == "data.datasets" else
+                 "would count twice in the validation loss")
         for directory in directories if len(directories) > 1 else ():
             index = storage.join(directory, INDEX_FILE)
             try:
-                digest = hashlib.sha256(storage.read_bytes(
-                    index, cfg.data.storage_options)).digest()
+                data = storage.read_bytes(index, cfg.data.storage_options)
             except OSError as exc:                  # storage's errors too
                 raise TrainConfigError(f"{key}: cannot read {index}: {exc}") from None
+            digest = hashlib.sha256(data).digest()
             if digest in seen:
                 raise TrainConfigError(
                     f"{key} gives {seen[digest]} and {directory}, whose {INDEX_FILE} are the "
-                    "same (a copy of one dataset): each of its samples " + (
-                        "would train twice an epoch; give it once, and to draw from it more "
-                        "often, data.weights" if key == "data.datasets" else
-                        "would count twice in the validation loss; give it once"))
+                    f"same (a copy of one dataset): each of its samples {twice}; give it once" +
+                    (", and to draw from it more often, data.weights"
+                     if key == "data.datasets" else ""))
             seen[digest] = directory
+            for shard in _shards_of(data):
+                if shard["sha256"] in shards:
+                    other, name = shards[shard["sha256"]]
+                    raise TrainConfigError(
+                        f"{key} gives {other} and {directory}, which both hold shard "
+                        f"{name}" + (f" (as {shard['name']} in {directory})"
+                                     if shard["name"] != name else "") +
+                        f" (the same bytes: two indexes of the same tars, or a copy): its "
+                        f"{shard['samples']} samples {twice}; give each shard in one dataset "
+                        "(mimo-shard index takes a list of tars)")
+                shards[shard["sha256"]] = (directory, shard["name"])
+
+
+def _shards_of(index: bytes) -> list[dict]:
+    """An index.json's shards that hold samples, each with its sha256 (an index that does
+    not parse is said by the dataset's own opening)."""
+    try:
+        listed = json.loads(index).get("shards")
+    except (ValueError, AttributeError):
+        return []
+    return [shard for shard in listed if isinstance(shard, dict) and shard.get("samples") and
+            isinstance(shard.get("sha256"), str) and isinstance(shard.get("name"), str)] \
+        if isinstance(listed, list) else []
 
 
 def _check_each_once(cfg: TrainConfig) -> None:
