@@ -202,6 +202,16 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
             in_place.index([str(pairs.src)], str(tmp_path / "strict"),
                            in_place.IndexOptions(workers=0, progress=False, strict=True))
     assert not (tmp_path / "strict").exists()
+    # mimo-inspect sample --key of a sample the index skipped (its key, or TAR/KEY): why
+    from mimo_data.inspect.cli import main as inspect_main
+    config = REPO / "configs" / "preprocess.yaml"
+    for key in ("000000010", "pairs-000002.tar/000000010"):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = inspect_main(["sample", str(pairs.out), "--key", key, "--config",
+                                 str(config)])
+        assert code == 2 and f": the build skipped the record of id {key!r} (pairs-000002.tar:" \
+            "000000010: corrupt_image: " in err.getvalue(), (key, err.getvalue())
 
 
 def test_tables_derived_on_first_use_hold_the_indexs_parquet_and_a_full_cache_is_skipped(

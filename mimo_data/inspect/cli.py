@@ -587,8 +587,9 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
 
 def _skipped_record(directory: str, record_id: str) -> str | None:
     """Where and why the build of ``directory`` (a folder or a bucket's) skipped the record
-    of ``record_id``, as its skipped.jsonl says (read line by line); None where it names no
-    such record."""
+    of ``record_id``, as its skipped.jsonl says (read line by line): its id, or in an index
+    of tars read in place (``TAR:KEY`` locations) its key, or ``TAR/KEY``; None where it
+    names no such record."""
     from mimo_data.shards import storage
     from mimo_data.shards.format import SKIPPED_FILE
     listed = storage.join(directory, SKIPPED_FILE)
@@ -598,7 +599,9 @@ def _skipped_record(directory: str, record_id: str) -> str | None:
         with storage.local_copy(listed) as path, open(path, encoding="utf-8") as lines:
             for line in lines:
                 entry = json.loads(line)
-                if entry.get("id") == record_id:
+                tar, _, key = str(entry.get("location")).rpartition(":")
+                if entry.get("id") == record_id or tar.endswith(".tar") and \
+                        record_id in (key, f"{tar}/{key}"):
                     return f"{entry['location']}: {entry['reason']}: {entry['detail']}"
     except (OSError, ValueError, KeyError, AttributeError):   # a damaged list: not said
         return None
