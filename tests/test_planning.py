@@ -302,6 +302,25 @@ def test_all_to_all_of_one_layer_by_hand():
     assert (advisor._tp_gbs(straddling), advisor._tp_gbs(aligned)) == (40.0, 300.0)
 
 
+def test_the_balancing_loss_s_counting_pass_is_one_more_forward_of_every_module():
+    """With ``model.language.moe_aux_loss`` each step runs its micro-batches forward once
+    more (``mcore.balance``'s counting pass): the advisor's compute time is (passes + 1) /
+    passes of its own, a frozen module's doubled."""
+    from mimo_train.plan import rules
+    from mimo_train.planning.advisor import GPU, Advisor, Candidate, Model, Work
+    from mimo_train.planning.dims import ModelDims
+    work = Work([[100] * 8], [[100] * 8], {}, {}, 1, 8, 128, True)
+    slow = GPU("cpu", 1e3, 0.02, 1e3, 1e3)          # compute is all of a step's time
+
+    def busy(aux: float, passes: int = 3) -> float:
+        model = Model(ModelDims(MOE), "moe", "bf16", passes={"language": passes},
+                      rule_settings=rules.Settings(moe_aux_loss=aux))
+        return Advisor(model, work, slow).evaluate(Candidate(
+            Layout.parse("language=dp8"), mem.Settings("bf16"))).busy["language"]
+    assert busy(0.01) / busy(0.0) == pytest.approx(4 / 3, rel=1e-3)
+    assert busy(0.01, passes=1) / busy(0.0, passes=1) == pytest.approx(2, rel=1e-3)
+
+
 # ------------------------------------------------------------------- the model, the data
 
 @pytest.fixture(scope="module")

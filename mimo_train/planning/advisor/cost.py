@@ -6,27 +6,28 @@ is its training FLOPs (``flops.step_flops``; the language model's positions as t
 computes them: packed, the real tokens; unpacked, each micro-batch cut to its longest sample
 rounded up to 64, at most seq_length) / R, the language model's / (tp x pp) plus its TP
 collectives (4 per layer, each 2 (tp-1)/tp x positions x h x w bytes over the node's
-bandwidth); full recompute adds a forward (x (passes + 1) / passes of a trained part;
-selective recompute's attention-core forward is not counted; nor are the collectives it
-repeats). A mixture of experts (``layer_traffic``): its layers' TP collectives are the
-attention's 2 (and a shared expert's 2), plus megatron-core's dispatcher: over the etp ranks
-a gather of the routed tokens and a scatter of the experts' output, forward and backward, 4
-(etp-1)/tp x positions x k x h x w bytes over the node's bandwidth; with ep > 1, 4
-all-to-alls (dispatch and combine, forward and backward) of the rank's own routed tokens, 4
-(ep-1)/ep x positions / tp x k x h x w bytes, over the node's bandwidth where every
-expert-parallel group lies in one node, else the network's. Expert parallelism does not
-change a rank's expert FLOPs on average (its E/ep experts get the tokens of ep ranks), but
-the busiest rank gets ``memory.ROUTED_IMBALANCE`` times its share: its routed experts'
-FLOPs, traffic and activations are counted so. Context parallelism (the language module's
-cp, ``mcore.context_parallel``): each of the cp ranks of a DP replica computes 1/cp of its
-micro-batch's positions (the attention: the whole sequence for 1/cp of the heads), so the
-language model's FLOPs per rank are / (tp x cp x pp), its TP collectives those of 1/cp of
-the positions, and its attention adds 4 all-to-alls a layer forward and 4 backward
-(``context_traffic``: queries, keys, values and the output, each of the rank's positions /
-cp x its heads (key/value groups repeated up to a multiple of cp where fewer) x kv channels x
-w bytes, (cp-1)/cp of it to other ranks), over the node's bandwidth where every CP group lies
-in one node, else the network's; unpadded micro-batches are cut to a multiple of lcm(64, cp x
-tp), as the trainer pads them. An encoder rank's work is its samples' (1/dp of each global
+bandwidth); full recompute adds a forward (x (passes + 1) / passes of a trained part; selective
+recompute's attention-core forward is not counted; nor are the collectives it repeats), and so
+does the balancing loss (``model.language.moe_aux_loss``: its counting pass runs every module
+forward once more a step, ``mcore.balance``). A mixture of experts (``layer_traffic``): its
+layers' TP collectives are the attention's 2 (and a shared expert's 2), plus megatron-core's
+dispatcher: over the etp ranks a gather of the routed tokens and a scatter of the experts'
+output, forward and backward, 4 (etp-1)/tp x positions x k x h x w bytes over the node's
+bandwidth; with ep > 1, 4 all-to-alls (dispatch and combine, forward and backward) of the
+rank's own routed tokens, 4 (ep-1)/ep x positions / tp x k x h x w bytes, over the node's
+bandwidth where every expert-parallel group lies in one node, else the network's. Expert
+parallelism does not change a rank's expert FLOPs on average (its E/ep experts get the tokens
+of ep ranks), but the busiest rank gets ``memory.ROUTED_IMBALANCE`` times its share: its routed
+experts' FLOPs, traffic and activations are counted so. Context parallelism (the language
+module's cp, ``mcore.context_parallel``): each of the cp ranks of a DP replica computes 1/cp of
+its micro-batch's positions (the attention: the whole sequence for 1/cp of the heads), so the
+language model's FLOPs per rank are / (tp x cp x pp), its TP collectives those of 1/cp of the
+positions, and its attention adds 4 all-to-alls a layer forward and 4 backward
+(``context_traffic``: queries, keys, values and the output, each of the rank's positions / cp x
+its heads (key/value groups repeated up to a multiple of cp where fewer) x kv channels x w
+bytes, (cp-1)/cp of it to other ranks), over the node's bandwidth where every CP group lies in
+one node, else the network's; unpadded micro-batches are cut to a multiple of lcm(64, cp x tp),
+as the trainer pads them. An encoder rank's work is its samples' (1/dp of each global
 micro-batch), or with split media (``data.split_media``, a fanning-in module, k = encoder dp /
 language dp) its token-balanced part of its language rank's media (``memory.split_grids``);
 full recompute of the tower (``Settings.towers``: its own or the language model's) adds its
@@ -207,7 +208,7 @@ class Advisor:
         stages = (1 if layout.encoders and not colocated else 0) + lang.pp
         lang_first = 1 if layout.encoders and not colocated else 0
         recompute = settings.recompute
-        lang_factor = self._recompute_factor(LANGUAGE, recompute)
+        lang_factor = self._pass_factor(LANGUAGE, recompute)
         steps = len(work.lengths)
         step_times, busy_totals = [], []
         busy: dict[str, float] = {}
@@ -221,7 +222,7 @@ class Advisor:
             context += step_context / steps
             enc_t: dict[str, list[list[float]]] = {}
             for e in layout.encoders:
-                factor = self._recompute_factor(e.name, settings.towers)
+                factor = self._pass_factor(e.name, settings.towers)
                 split = settings.split_media and e.dp > lang.dp and not colocated
                 parts = self._encoder_parts(s, e, lang, group, split)       # [j][q]
                 enc_t[e.name] = [[f * factor / self.rate for f, _ in row] for row in parts]
@@ -362,10 +363,14 @@ class Advisor:
     def usable_bytes(self) -> float:
         return usable_gib(self.device.memory_gib) * 2**30
 
-    def _recompute_factor(self, module: str, recompute: str) -> float:
+    def _pass_factor(self, module: str, recompute: str) -> float:
+        """A module's work over its training passes': full recompute's forward (where it
+        trains), and the balancing loss's counting pass (a forward of every module)."""
         part = LANGUAGE if module == LANGUAGE else f"{module}.encoder"
         passes = self.model.passes.get(part, 3)
-        return (passes + 1) / passes if recompute == "full" and passes > 1 else 1.0
+        extra = (recompute == "full" and passes > 1) + \
+            (self.model.rule_settings.moe_aux_loss > 0)
+        return (passes + extra) / passes
 
     def _language_seconds(self, flops: float, positions: float, module: ModuleLayout,
                           factor: float) -> float:
