@@ -256,6 +256,8 @@ def test_expert_parallelism_parses_and_keeps_the_module_size(tmp_path):
     ("language=dp2,ep2,etp2", ["etp2 x ep2 = 4 does not divide tp x cp x dp = 2",
                                "choose an etp that divides 1 (tp x cp x dp / ep2), e.g. etp1"]),
     ("language=dp2;image=dp2,ep2", ["'image'", "encoder has none"]),
+    # said so where its ep would not fit its ranks either, not as an ep to choose
+    ("language=dp2;image=dp1,ep2", ["'image'", "encoder has none"]),
 ])
 def test_expert_layouts_megatron_cannot_lay_out_are_refused(text, words):
     with pytest.raises(LayoutError) as error:

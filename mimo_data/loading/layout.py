@@ -103,6 +103,10 @@ class ModuleLayout:
                     value < (0 if dim == "rank_offset" else 1):
                 raise LayoutError(f"module {self.name!r}: {dim} is {value!r}; it must be an "
                                   f"integer >= {0 if dim == 'rank_offset' else 1}")
+        if self.name != LANGUAGE and self.expert_fields:
+            raise LayoutError(f"module {self.name!r} has {self.expert_fields}: expert "
+                              f"parallelism splits the {LANGUAGE!r} module's "
+                              "mixture-of-experts layers; an encoder has none: remove them")
         spread = self.tp * self.cp * self.dp
         if spread % (self.expert_tp * self.ep):
             # ep divides tp x cp x dp: the etp is what to change (left unset it is tp: etp1
@@ -445,10 +449,6 @@ class Layout:
         self._validate_ranks(world_size)
         language = self.language
         for module in self.encoders:
-            if module.expert_fields:
-                raise LayoutError(f"module {module.name!r} has {module.expert_fields}: expert "
-                                  f"parallelism splits the {LANGUAGE!r} module's "
-                                  "mixture-of-experts layers; an encoder has none: remove them")
             if not self.modalities_of(module.name):
                 raise LayoutError(f"encoder module {module.name!r} serves no modality: name it "
                                   f"after its modality ({'/'.join(MODALITIES)}) or tag it "
