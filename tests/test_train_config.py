@@ -298,6 +298,16 @@ def test_unknown_key_message_lists_the_known_ones(tmp_path):
     message = load_error(tmp_path, MINIMAL, "data.seq_length=512")
     assert "data.seq_length goes in the preprocessing config (the data.preprocess YAML), " \
         "not the training config" in message, message
+    # a setting under transformers' name (its config's, its Trainer's): ours named
+    for theirs, ours in (("model.language.router_aux_loss_coef=0.001",
+                          "model.language.router_aux_loss_coef goes in "
+                          "model.language.moe_aux_loss here (transformers' "
+                          "router_aux_loss_coef)"),
+                         ("optimizer.learning_rate=1e-5", "goes in optimizer.lr here"),
+                         ("train.max_steps=100", "train.max_steps goes in train.steps here"),
+                         ("train.save_steps=100", "goes in checkpoint.interval here")):
+        message = load_error(tmp_path, MINIMAL, theirs)
+        assert ours in message, message
     # a whole preprocessing config given as the training config: said as one
     message = load_error(tmp_path, "tokenizer: x\nseq_length: 64\nmodalities: {}\n")
     assert "is a preprocessing config (tokenizer and modalities at its top level), not a " \

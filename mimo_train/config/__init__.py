@@ -62,6 +62,12 @@ LANGUAGE_RECOMPUTE = ("none", "selective", "full")
 ENCODER_RECOMPUTE = ("none", "full")
 
 
+def _transformers_names(ours: dict[str, str]) -> dict[str, str]:
+    """``ELSEWHERE`` entries for the names transformers gives these settings (its configs',
+    its Trainer's): each said as ours."""
+    return {theirs: f"{key} here (transformers' {theirs})" for theirs, key in ours.items()}
+
+
 @dataclass
 class DataConfig:
     # the preprocessing config's keys, given here by mistake: where they go
@@ -100,6 +106,7 @@ class LanguageConfig:
     Llama / Qwen2 / Qwen3 directory (or cached hub name), or a whole VLM's, whose
     config.json gives the dims and M-RoPE section (any also set here must agree) and whose
     weights are loaded (``mimo_train/families/causal_lm/``)."""
+    ELSEWHERE = _transformers_names({"router_aux_loss_coef": "model.language.moe_aux_loss"})
     num_layers: Positive | None = None                # default 2 (or the checkpoint's)
     hidden_size: Positive | None = None               # default 64
     num_attention_heads: Positive | None = None       # default 4
@@ -216,6 +223,8 @@ class ModuleOptimizerConfig:
 
 @dataclass
 class OptimizerConfig:
+    ELSEWHERE = _transformers_names({"learning_rate": "optimizer.lr",
+                                     "max_grad_norm": "optimizer.clip_grad"})
     lr: Annotated[float, Range(0)] = 1e-3
     min_lr: float = 1e-4                              # in [0, lr] (``check``)
     warmup_steps: Count = 0
@@ -280,6 +289,13 @@ class ProfileConfig:
 
 @dataclass
 class RunConfig:
+    ELSEWHERE = _transformers_names({
+        "max_steps": "train.steps", "per_device_train_batch_size": "train.micro_batch_size",
+        "gradient_accumulation_steps": "train.global_batch_size (the micro-batches of a step: "
+        "global / (micro x language dp))",
+        "logging_steps": "train.log_interval",
+        "save_steps": "checkpoint.interval", "output_dir": "checkpoint.dir",
+        "bf16": "train.precision: bf16", "learning_rate": "optimizer.lr"})
     global_batch_size: Positive = 8
     micro_batch_size: Positive = 2                    # per language DP rank
     steps: Positive = 20
