@@ -711,9 +711,10 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
     code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--json",
                          "--gpu-memory-gib", (usable + 1) / 0.9, *one, "--layout",
                          largest["layout"], main=main)
-    assert json.loads(out)["yours_not_ranked"] == (
-        f"not ranked: it fits with none of the settings tried: "
-        f"{largest['peak_memory_gib']:.1f} GiB per rank at the least > {usable:.1f} usable"), out
+    said = json.loads(out)["yours_not_ranked"]
+    found = re.fullmatch(r"not ranked: it fits with none of the settings tried: ([0-9.]+) GiB "
+                         r"per rank at the least > ([0-9.]+) usable", said)
+    assert found and _reads_over(*found.groups(), largest["peak_memory_gib"], usable), said
     # the text: the layouts that fit with no settings counted, the settings that do not
     # fit listed as settings (with all settings tried, each layout fits with some here)
     memory = ("--gpu-memory-gib", (usable + 1) / 0.9)
@@ -748,10 +749,21 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
             for m in r["memory_gib"].values()) >= state - 1e-9 for r in dropped["dropped"])
     code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4,
                          "--gpu-memory-gib", (0.001 + 1) / 0.9, main=main)
-    assert code == 1 and "no layout fits: the model's own state passes a GPU's memory in every " \
-        f"try (weights, gradients and optimizer state: {state:.1f} GiB on a rank at the least " \
-        "> 0.0 usable), whatever the batch or the samples: more GPUs" in out, out
+    found = re.search(r"no layout fits: the model's own state passes a GPU's memory in every "
+                      r"try \(weights, gradients and optimizer state: ([0-9.]+) GiB on a rank "
+                      r"at the least > ([0-9.]+) usable\), whatever the batch or the samples: "
+                      "more GPUs", out)
+    assert code == 1 and found and _reads_over(*found.groups(), state, 0.001), out
     assert "a smaller micro batch" not in out
+
+
+def _reads_over(over: str, limit: str, over_gib: float, limit_gib: float) -> bool:
+    """A line's "``over`` > ``limit``" GiB: each the value rounded to the places it shows (one,
+    or more), the first reading larger (not "0.1 > 0.1")."""
+    places = len(over.partition(".")[2])
+    return places >= 1 and len(limit.partition(".")[2]) == places and \
+        float(over) == round(over_gib, places) and float(limit) == round(limit_gib, places) \
+        and float(over) > float(limit)
 
 
 def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):

@@ -20,7 +20,7 @@ from mimo_train.planning.advisor.cost import (HEADROOM, MFU, RESERVED_GIB, Advis
                                               Result, usable_gib)
 from mimo_train.planning.advisor.inputs import (Model, gpu, preprocess_differs, read_model,
                                                read_work)
-from mimo_train.planning.advisor.report import format_report, result_json, why
+from mimo_train.planning.advisor.report import format_report, gib_over, result_json, why
 
 
 def advise(request: AdvisorRequest, config, workload: dict) -> int:
@@ -152,9 +152,9 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
         tried_yours = [r for r in results if str(r.candidate.layout) == str(yours)]
         if not mine and tried_yours and not_ranked is None:     # tried, fitting with none
             least = min(tried_yours, key=lambda r: r.peak_bytes)
-            not_ranked = (f"not ranked: it fits with none of the settings tried: "
-                          f"{least.peak_bytes / 2**30:.1f} GiB per rank at the least > "
-                          f"{advisor.usable_bytes / 2**30:.1f} usable")
+            peak, usable = gib_over(least.peak_bytes / 2**30, advisor.usable_bytes / 2**30)
+            not_ranked = (f"not ranked: it fits with none of the settings tried: {peak} GiB "
+                          f"per rank at the least > {usable} usable")
     dims = model.dims
     return {
         "model": {"source": model.source, "precision": model.precision,

@@ -93,6 +93,16 @@ def _launch(ranks: int, per_node: int, arguments: str) -> str:
                               "ranks lie in nodes as planned"))
 
 
+def gib_over(over: float, limit: float) -> tuple[str, str]:
+    """``over`` and ``limit`` (GiB, ``over`` > ``limit``) as said in "``over`` > ``limit``":
+    with one decimal, or as many more (up to 4) as it takes for the first to read larger."""
+    for places in range(1, 5):
+        said = f"{over:.{places}f}", f"{limit:.{places}f}"
+        if float(said[0]) > float(said[1]):
+            break
+    return said
+
+
 def why(r: Result, device: GPU, gpus: int) -> str:
     # a run with LoRA: its adapters' weights, gradients and optimizer state beside the rest
     memory = "; ".join(
@@ -175,8 +185,9 @@ def format_report(report: dict) -> str:
                      "fit" + ("; those ranked above fit" if report["ranked"] else ""))
         for r in report["dropped"]:
             name, m = _fullest(r)
+            peak, usable = gib_over(r["peak_memory_gib"], g["usable_gib"])
             lines.append(f"  {r['layout']} ({_settings_text(r['settings'])}): "
-                         f"{r['peak_memory_gib']:.1f} GiB per rank > {g['usable_gib']:.1f} "
+                         f"{peak} GiB per rank > {usable} "
                          f"({name}: weights {m['weights']:.1f}, grads {m['gradients']:.1f}, "
                          f"optimizer {m['optimizer']:.1f}, "
                          + (f"LoRA adapters {m['adapters']:.1f}, " if m["adapters"] else "") +
@@ -201,9 +212,10 @@ def _nothing_fits(report: dict) -> str:
     usable, w = report["gpu"]["usable_gib"], report["workload"]
     state = report.get("least_state_gib")
     if state is not None and state > usable:
+        least, usable_said = gib_over(state, usable)
         return (f"no layout fits: the model's own state passes a GPU's memory in every try "
-                f"(weights, gradients and optimizer state: {state:.1f} GiB on a rank at the "
-                f"least > {usable:.1f} usable), whatever the batch or the samples: more GPUs "
+                f"(weights, gradients and optimizer state: {least} GiB on a rank at the "
+                f"least > {usable_said} usable), whatever the batch or the samples: more GPUs "
                 "(the distributed optimizer shards the optimizer state over dp), a GPU with "
                 f"more memory, or {LESS_TRAINED}")
     fewer = ("a smaller micro batch" if w["micro_batch_size"] > 1 else
