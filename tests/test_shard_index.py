@@ -897,9 +897,10 @@ def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
         [next(name for name in sample if name in ("jpg", "png")) for sample in members.values()]
 
 
-def test_a_question_or_answer_holding_a_marker_or_unweighable_weights_is_skipped():
-    """A VQA sample's medium goes before its question: a marker typed in the question or an
-    answer is a marker_mismatch, as a caption's (not a template mismatch at training); weights
+def test_a_question_s_marker_places_its_medium_and_stray_markers_or_bad_weights_skip():
+    """A VQA sample's medium goes before its question, or where the question's one marker of
+    it is; another marker in the question, or one in an answer, is a marker_mismatch (not a
+    template mismatch at training); weights
     that are not one number a text are refused for a lone answer as for several."""
     from mimo_data.shards.layouts import MemberMap, synthesize
     from mimo_data.shards.records import RecordError
@@ -925,10 +926,19 @@ def test_a_question_or_answer_holding_a_marker_or_unweighable_weights_is_skipped
                                                     "are b'1 3': give a number for each of "
                                                     "its 2 texts (a JSON list or a .npy")):
         synthesize({**two, "weights.txt": b"1 3"}, replace(npy, weights="weights.txt"))
-    for fields, member in (({"question": "What is <image>?"}, "question (KEY.json[question])"),
-                           ({"answers": ["The <audio> says."]}, "answer (KEY.json[answers])")):
-        with pytest.raises(RecordError, match=re.escape(f"the {member} holds a media marker"))\
-                as caught:
+    # the question's one marker of its medium places it (LLaVA-style data in Energon's form)
+    assert synthesize(sample(question="<image>\nWhat is shown?"), vqa).fields["messages"][0] == \
+        {"role": "user", "content": "<image>\nWhat is shown?"}
+    assert synthesize(sample(), vqa).fields["messages"][0] == \
+        {"role": "user", "content": "<image>\nWhat?"}
+    for fields, said in (
+            ({"question": "<image> or <image>?"}, "the question (KEY.json[question]) holds 2 "
+             "media marker(s) for the sample's one image (<image>): give it one <image>"),
+            ({"question": "What does <audio> say?"}, "the question (KEY.json[question]) holds "
+             "1 media marker(s) for the sample's one image"),
+            ({"answers": ["The <audio> says."]}, "the answer (KEY.json[answers]) holds a media "
+             "marker")):
+        with pytest.raises(RecordError, match=re.escape(said)) as caught:
             synthesize(sample(**fields), vqa)
         assert caught.value.reason == "marker_mismatch"
     with pytest.raises(RecordError, match=re.escape("the answer's weights (KEY.json) are "

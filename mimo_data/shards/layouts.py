@@ -376,13 +376,18 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
             weights = None
         answer, counts = _chosen(text, weights, "the answer")
         asked, answered = _as_text(question, "the question"), _as_text(answer, "the answer")
-        for said, what, member in ((asked, "question", mapping.question),
-                                   (answered, "answer", mapping.text)):
-            if any(marker in said for marker in MARKERS.values()):   # as a caption's
-                raise RecordError("marker_mismatch", f"the {what} (KEY.{member}) holds a "
-                                  "media marker; the sample's medium is placed before the "
-                                  "question")
-        messages = [{"role": "user", "content": f"{marker}\n{asked}"},
+        if any(m in answered for m in MARKERS.values()):
+            raise RecordError("marker_mismatch", f"the answer (KEY.{mapping.text}) holds a "
+                              "media marker; the sample's one medium goes in the question")
+        # the question's own marker, as LLaVA-style data converted to Energon has it
+        # ("<image>\nWhat is shown?"), places the medium; without one it goes first
+        placed = sum(asked.count(m) for m in MARKERS.values())
+        if placed > 1 or placed and marker not in asked:
+            raise RecordError("marker_mismatch", f"the question (KEY.{mapping.question}) holds "
+                              f"{placed} media marker(s) for the sample's one {medium[0]} "
+                              f"({marker}): give it one {marker} where the {medium[0]} goes, "
+                              "or none (placed before the question)")
+        messages = [{"role": "user", "content": asked if placed else f"{marker}\n{asked}"},
                     {"role": "assistant", "content": answered}]
         return Synthesized({"id": None, "messages": messages}, [medium], counts=counts)
     if medium is None:
