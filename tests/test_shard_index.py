@@ -613,6 +613,26 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     reader = ShardReader(str(tmp_path / "idx-pairs"))
     assert {reader.record(p)["key"]: reader.record(p)["text"] for p in range(len(reader))} == {
         key: text for key, text in pairs.captions.items() if int(key) < 8}
+    # --split val: the validation split's tars (a data.valid set), the train split's left out
+    (folder / ".nv-meta" / "split.yaml").write_text(
+        "split_parts:\n  train: [pairs-000000.tar]\n  val: [pairs-000001.tar]\n  test: []\n")
+    code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-val",
+                            "--split", "val", "--workers", "0", "--no-progress")
+    assert code == 0 and "1 val tar(s)" in err, err
+    reader = ShardReader(str(tmp_path / "idx-val"))
+    assert {reader.record(p)["key"] for p in range(len(reader))} == {
+        key for key in pairs.captions if 4 <= int(key) < 8}
+    assert json.loads((tmp_path / "idx-val" / "index.json").read_text())["build"]["split"] == \
+        "val"
+    # a split it lacks (or one empty) names those it has; --split on other tars is refused
+    code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-test",
+                            "--split", "test", "--workers", "0", "--no-progress")
+    assert code == 2 and "no test split_parts (its splits: train, val: --split names one)" \
+        in err, err
+    code, _, err = cli_main(capsys, "index", pairs.src, "--output", tmp_path / "idx-other",
+                            "--split", "val", "--workers", "0", "--no-progress")
+    assert code == 2 and "--split val: a split of an Energon dataset's split.yaml" in err, err
+    (folder / ".nv-meta" / "split.yaml").write_text(split)
 
 
 @pytest.mark.parametrize("dataset, why", [
@@ -660,7 +680,7 @@ def test_a_split_yaml_energon_would_not_read_is_refused(tmp_path, split, why):
     (tmp_path / ".nv-meta").mkdir()
     (tmp_path / ".nv-meta" / "split.yaml").write_text(split)
     with pytest.raises(SourceError, match=re.escape(why)):
-        energon.train_split(str(tmp_path))
+        energon.split_tars(str(tmp_path))
 
 
 def test_another_yaml_error_beside_a_mapping_in_a_list_says_nothing_of_braces(tmp_path):
@@ -671,7 +691,7 @@ def test_another_yaml_error_beside_a_mapping_in_a_list_says_nothing_of_braces(tm
     (tmp_path / ".nv-meta" / "split.yaml").write_text(
         "split_parts:\n  train: [{name: a}]\n  val: ['b\n")
     with pytest.raises(SourceError, match="found unexpected end of stream") as refused:
-        energon.train_split(str(tmp_path))
+        energon.split_tars(str(tmp_path))
     assert "brace pattern" not in str(refused.value), refused.value
 
 

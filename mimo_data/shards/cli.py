@@ -153,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the tars number their samples each on their own (keys alike across "
                    "tars): a sample's key is TAR/KEY, as Energon names it (default: a key "
                    "found in an earlier tar is skipped as duplicate_key)")
+    x.add_argument("--split", default="train",
+                   help="an Energon folder: the split.yaml split indexed (default train; val "
+                   "for a validation set, data.valid)")
     x.add_argument("--strict", action="store_true",
                    help="stop at the first record that would be skipped (exit 1), writing no "
                    "index, instead of skipping it")
@@ -260,7 +263,7 @@ def _run(args) -> int:
             json_member=args.json_member, name=args.name, workers=args.workers,
             check=args.check, overwrite=args.overwrite, progress=not args.no_progress,
             markers_first=args.markers_first, strict=args.strict,
-            keys_per_tar=args.keys_per_tar,
+            keys_per_tar=args.keys_per_tar, split=args.split,
             **({} if args.max_image_pixels is None
                else {"max_image_pixels": args.max_image_pixels}))
         return _nothing_kept(args.command, index(args.sources, args.output, indexing))

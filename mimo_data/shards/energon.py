@@ -1,5 +1,5 @@
 """A Megatron-Energon dataset folder as ``mimo-shard index`` reads it: ``.nv-meta/dataset.yaml``
-(the sample type and its ``field_map``), ``.nv-meta/split.yaml`` (the train split's tars) and
+(the sample type and its ``field_map``), ``.nv-meta/split.yaml`` (a split's tars) and
 ``.nv-meta/.info.json`` (each tar's sample count, checked against the tars as read), as
 ``energon prepare`` writes them. Energon's own index (``index.sqlite``, ``*.tar.idx``) is not
 needed: mimo reads the tars once and keeps its own tables.
@@ -111,27 +111,31 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
                       f"answers); {OTHERWISE}")
 
 
-def train_split(root: str, storage_options: dict | None = None
-                ) -> tuple[list[str], set[str], list[str]]:
-    """The train split's tars, relative to ``root``, in split.yaml's order (less the
-    ``exclude`` entries naming a tar), the samples ``exclude`` drops as energon does (the
-    entries holding a ``/`` after brace expansion, ``TAR/KEY``: TAR as split.yaml names it,
-    KEY the member names' part before their first dot), and the train tars it leaves out."""
+def split_tars(root: str, name: str = "train", storage_options: dict | None = None
+               ) -> tuple[list[str], set[str], list[str]]:
+    """Split ``name``'s tars (``train``, or ``val`` for a validation set), relative to
+    ``root``, in split.yaml's order (less the ``exclude`` entries naming a tar), the samples
+    ``exclude`` drops as energon does (the entries holding a ``/`` after brace expansion,
+    ``TAR/KEY``: TAR as split.yaml names it, KEY the member names' part before their first
+    dot), and the split's tars it leaves out."""
     split = _yaml(root, SPLIT_YAML, storage_options)
     where = storage.join(root, META, SPLIT_YAML)
-    parts = (split.get("split_parts") or {}).get("train")
+    named = split.get("split_parts") or {}
+    parts = named.get(name) if isinstance(named, dict) else None
     if not parts:
-        raise SourceError(f"{where}: no train split_parts")
+        there = sorted(str(k) for k, v in named.items() if v) if isinstance(named, dict) else []
+        raise SourceError(f"{where}: no {name} split_parts" + (
+            f" (its splits: {', '.join(there)}: --split names one)" if there else ""))
     excluded = set(_expanded(where, "exclude", split.get("exclude") or []))
-    listed = _expanded(where, "split_parts.train", parts)
-    shards = [name for name in listed if name not in excluded]
-    twice = sorted(name for name, count in Counter(shards).items() if count > 1)
+    listed = _expanded(where, f"split_parts.{name}", parts)
+    shards = [tar for tar in listed if tar not in excluded]
+    twice = sorted(tar for tar, count in Counter(shards).items() if count > 1)
     if twice:
-        raise SourceError(f"{where}: split_parts.train lists {', '.join(twice[:3])} more than "
-                          "once (each tar's samples would be read as many times): list each "
-                          "tar once")
-    return shards, {name for name in excluded if "/" in name}, \
-        list(dict.fromkeys(name for name in listed if name in excluded))
+        raise SourceError(f"{where}: split_parts.{name} lists {', '.join(twice[:3])} more "
+                          "than once (each tar's samples would be read as many times): list "
+                          "each tar once")
+    return shards, {entry for entry in excluded if "/" in entry}, \
+        list(dict.fromkeys(tar for tar in listed if tar in excluded))
 
 
 def _expanded(where: str, key: str, patterns: object) -> list[str]:

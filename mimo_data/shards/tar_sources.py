@@ -46,6 +46,7 @@ class IndexOptions:
     markers_first: bool = False           # conversation: place missing markers first
     strict: bool = False                  # the first record skipped stops the indexing
     keys_per_tar: bool = False            # tars number their samples each on their own: TAR/KEY
+    split: str = "train"                  # an Energon folder's split.yaml split indexed
 
 
 @dataclass(frozen=True)
@@ -207,11 +208,11 @@ def _resolve(sources: list[str], options: IndexOptions,
                                   " mimo-inspect, mimo-shard info); nothing to index")
         if energon.is_energon(root, storage_options):
             # an Energon folder's split.yaml decides its tars whatever --layout reads them (its
-            # validation parts are no training data)
-            names, excludes, left_out = energon.train_split(root, storage_options)
+            # validation parts are no training data: --split val indexes them apart)
+            names, excludes, left_out = energon.split_tars(root, options.split, storage_options)
             if left_out:                # said, as the excluded samples are counted
                 say(f"{storage.join(root, energon.META, energon.SPLIT_YAML)}'s exclude leaves "
-                    f"out {len(left_out)} tar(s) of the train split: "
+                    f"out {len(left_out)} tar(s) of the {options.split} split: "
                     f"{', '.join(left_out[:3])}{' ...' if len(left_out) > 3 else ''}")
             missing = [name for name in names if not storage.is_remote(root)
                        and not os.path.isfile(os.path.join(root, name))]
@@ -232,7 +233,7 @@ def _resolve(sources: list[str], options: IndexOptions,
                                           "conversation, documents) to name them yourself")
                 mapping, unread = energon.member_map(root, storage_options)
                 say(f"layout energon: {storage.join(root, energon.META)} "
-                    f"({mapping.describe()}), {len(names)} train tar(s)")
+                    f"({mapping.describe()}), {len(names)} {options.split} tar(s)")
                 if mapping.layout == "pairs":
                     fields = f"{storage.join(root, energon.META, energon.DATASET_YAML)}'s field_map"
                     first, head, _ = _head(root, names, storage_options)
@@ -245,7 +246,8 @@ def _resolve(sources: list[str], options: IndexOptions,
                 return Source(root, names, mapping, frozenset(excludes), counts=counts,
                               counts_file=counts_file)
             split = storage.join(root, energon.META, energon.SPLIT_YAML)
-            say(f"{len(names)} train tar(s) of {split}, read as --layout {options.layout}")
+            say(f"{len(names)} {options.split} tar(s) of {split}, read as --layout "
+                f"{options.layout}")
             mapping, _ = _member_map(root, names, options, storage_options)   # as given
             counts, counts_file = _energon_counts(root, storage_options)
             return Source(root, names, mapping, frozenset(excludes), counts=counts,
@@ -253,12 +255,18 @@ def _resolve(sources: list[str], options: IndexOptions,
         if options.layout == "energon":
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
+    if options.split != "train":            # (an Energon folder's split was read above)
+        raise IndexInputError(f"--split {options.split}: a split of an Energon dataset's "
+                              f"{energon.SPLIT_YAML}; give the dataset's folder (one with "
+                              f"{energon.META}/), or leave --split out")
+    if folder_given:
         files = _list_files(root, storage_options)
         below = _energon_below(files)
         if below:
             raise IndexInputError(f"{root} holds the Energon dataset {below}: give that "
                                   "folder, whose split.yaml's train split (and its excludes) "
-                                  "mimo reads, or a folder of other tars")
+                                  "mimo reads (--split val: its validation split), or a "
+                                  "folder of other tars")
         paths = [p for p in files if p.lower().endswith(".tar")]     # 00001.TAR too
         # never a folder's data left out without a word: compressed tars beside plain ones
         compressed = [p for p in files if p.lower().endswith(COMPRESSED_TARS)]
@@ -331,7 +339,7 @@ def _resolve(sources: list[str], options: IndexOptions,
             (p for p in paths if p.startswith(inside.rstrip("/") + "/")), root)
         raise IndexInputError(f"{shown} is inside the Energon dataset {inside}: give that "
                               "folder, whose split.yaml's train split (and its excludes) "
-                              "mimo reads, not its tars" + (
+                              "mimo reads (--split val: its validation split), not its tars" + (
                                   "" if folder_given or len(paths) == 1 else
                                   f" (one of the {len(paths)} tars given)"))
     names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
