@@ -1260,6 +1260,11 @@ def test_a_pair_without_its_medium_says_what_to_do():
         synthesize({"v2.jpg": b"", "v2.txt": b"a"}, MemberMap("pairs"))
     assert caught.value.reason == "missing_text"
     assert "key ends at the first dot" in caught.value.detail, caught.value.detail
+    # an image without its caption member: the members the sample has are named
+    with pytest.raises(RecordError) as caught:
+        synthesize({"jpg": b"", "caption": b"a"}, MemberMap("pairs"))
+    assert caught.value.detail.startswith("KEY.jpg has no KEY.txt beside it (an image without "
+                                          "its caption; the sample has ['caption', 'jpg'])")
     with pytest.raises(RecordError) as caught:
         synthesize({"png": b"", "txt": b"a"}, MemberMap("pairs", media="jpg"))
     assert caught.value.reason == "missing_media"

@@ -399,7 +399,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
                           f"{named}")
     if text is None:
         raise RecordError("missing_text", f"KEY.{medium[1]} has no KEY.{mapping.text} beside it "
-                          "(an image without its caption)" + (
+                          f"(an image without its caption; the sample has {sorted(members)})"
+                          + (
                               f"; webdataset's key ends at the first dot of a file name, so "
                               f"KEY.{medium[1]} is a member {medium[1]!r}, not a medium of "
                               "a key with a dot: write keys without dots"
