@@ -687,6 +687,36 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
             f"the plan would count another run; drop {option}" in err, err
 
 
+def test_plan_of_a_vlm_s_training_yaml_checks_its_preprocessing_as_the_trainer(
+        capsys, loader_corpus, tmp_path):
+    """``plan --model TRAIN.yaml`` of a whole VLM: the preprocessing checked against the
+    checkpoint as the trainer's start-up checks it (a patch size another than its tower's is
+    refused, not planned with wrong token counts); its own is planned."""
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.inspect_cli import main
+    checkpoint = MODELS / "tiny-qwen2-vl"
+    own = preprocessing_for(str(checkpoint))
+    other = {**own, "modalities": {name: {**settings, "patch_size": 16}
+                                   for name, settings in own["modalities"].items()}}
+    for name, config in (("own", own), ("other", other)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
+        (tmp_path / f"train-{name}.yaml").write_text(yaml.safe_dump({
+            "model": {"pretrained": str(checkpoint)},
+            "data": {"datasets": [str(loader_corpus)],
+                     "preprocess": str(tmp_path / f"{name}.yaml")},
+            "train": {"global_batch_size": 4, "micro_batch_size": 2}}))
+    layout = "image=dp1,video;language=dp1"
+    code, _, err = _run(capsys, main, "plan", loader_corpus, "--model",
+                        tmp_path / "train-other.yaml", "--layout", layout)
+    assert code == 2 and f"mimo-train refuses it for --model {tmp_path / 'train-other.yaml'}: " \
+        f"the preprocessing config is not the one model.pretrained {checkpoint} takes (2 " \
+        "settings differ)" in err and f"- modalities.image has patch_size: 16, but " \
+        f"model.pretrained {checkpoint}'s tower takes patch_size: 14" in err, err
+    code, out, err = _run(capsys, main, "plan", loader_corpus, "--model",
+                          tmp_path / "train-own.yaml", "--layout", layout)
+    assert code == 0 and "valid" in out, err
+
+
 def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
     """A GPU with memory between the layouts' peaks (one setting each): the ranked ones fit,
     the dropped ones are over the usable memory; with less than any needs, none fits (exit

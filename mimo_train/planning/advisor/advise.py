@@ -18,8 +18,8 @@ from mimo_train.planning.advisor.candidates import (layouts, needs_split, rank, 
                                                      settings_of)
 from mimo_train.planning.advisor.cost import (HEADROOM, MFU, RESERVED_GIB, Advisor, Candidate,
                                               Result, usable_gib)
-from mimo_train.planning.advisor.inputs import (Model, gpu, preprocess_differs, read_model,
-                                               read_work)
+from mimo_train.planning.advisor.inputs import (Model, check_fit, gpu, preprocess_differs,
+                                                read_model, read_work)
 from mimo_train.planning.advisor.report import format_report, gib_over, result_json, why
 
 
@@ -82,8 +82,8 @@ def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | 
             raise ValueError(f"--model {request.model}: {error}") from None
         if conflict := _packing_conflict(request, cfg.data.packing):  # the plan is the run's
             raise ValueError(conflict)
-        try:
-            resolve(cfg)
+        try:                    # as the trainer's start-up: its plan, then the checkpoint's fit
+            check_fit(resolve(cfg), config)
         except TrainConfigError as error:
             return str(error), cfg.data.packing, cfg.data.split_media
         return None, cfg.data.packing, cfg.data.split_media

@@ -198,11 +198,7 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
         cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"{key}={directory}",
                                       *overrides, f"train.precision={precision or 'bf16'}"])
     plan = resolve(cfg, preprocess)
-    if plan.vlm is not None:            # the trainer's own check, at its start-up
-        from mimo_data.preprocess.tokenizer_loading import load_tokenizer
-        from mimo_train.families.preprocessing_fit import check_preprocessing
-        check_preprocessing(plan.vlm, preprocess, load_tokenizer(preprocess),
-                            plan.vlm_tower_serves)
+    check_fit(plan, preprocess)
     try:
         dims = from_plan(plan, vocab_size)
     except TrainConfigError as error:
@@ -226,6 +222,17 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
                  varlen_kernel=cfg.model.attention == "varlen" or (
                      cfg.model.attention == "auto" and cfg.train.precision == "bf16"),
                  config_precision=config_precision)
+
+
+def check_fit(plan, preprocess) -> None:
+    """The trainer's start-up check that the preprocessing is the one a whole VLM's
+    checkpoint (``plan.vlm``) takes (its tokens, geometry, positions), with the
+    preprocessing's own tokenizer: ``TrainConfigError`` naming what differs."""
+    if plan.vlm is not None:
+        from mimo_data.preprocess.tokenizer_loading import load_tokenizer
+        from mimo_train.families.preprocessing_fit import check_preprocessing
+        check_preprocessing(plan.vlm, preprocess, load_tokenizer(preprocess),
+                            plan.vlm_tower_serves)
 
 
 # ---------------------------------------------------------------------------- the work
