@@ -373,6 +373,28 @@ def test_llava_takes_its_projector_and_sequential_positions():
     assert projector["0.weight"].shape == (64, 32)
 
 
+def test_a_video_modality_for_llava_s_tower_says_the_model_takes_none():
+    """LLaVA-1.5's tower encodes images only: a layout serving video from it is refused
+    naming the model, and that the modality goes (its samples dropped), not only that the
+    encoder module cannot take it."""
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.config import TrainConfig
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.plan import resolve
+    checkpoint = FAMILIES["llava"][0]
+    config = preprocessing_for(str(checkpoint))
+    video = {"token": "<video>", "fps": 1.0, "patch_size": 14}
+    preprocess = PreprocessConfig.from_dict(
+        {**config, "modalities": {**config["modalities"], "video": video}})
+    with pytest.raises(TrainConfigError) as refused:
+        resolve(TrainConfig.load(None, ["data.datasets=[unused]",
+                                        f"model.pretrained={checkpoint}",
+                                        "layout=image=dp1,video;language=dp1"]), preprocess)
+    assert f"model.pretrained {checkpoint}'s tower encodes ['image'] only (the model takes no " \
+        "video): drop modalities.video from the preprocessing config (those samples are then " \
+        "dropped as unconfigured_modality)" in str(refused.value), refused.value
+
+
 @pytest.mark.parametrize("change, reason", [
     ({"projector_hidden_act": "relu"}, "a 'relu' projector \\(GELU is mapped\\)"),
     ({"vision_feature_select_strategy": "full"}, "full on a tower with a CLS row"),

@@ -73,10 +73,17 @@ def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | No
         also = [m for m in served if m != modality]
         refused = [m for m in also if m not in ENCODERS[kind].also_takes]
         if refused:
+            takes = [modality, *ENCODERS[kind].also_takes]
             raise TrainConfigError(
-                f"encoder module {module.name!r} serves {served}, but its {kind} encoder "
-                f"encodes {[modality, *ENCODERS[kind].also_takes]} only: give {refused} "
-                "their own encoder module")
+                f"encoder module {module.name!r} serves {served}, but " + (
+                    f"model.pretrained {vlm.path}'s tower encodes {takes} only (the model "
+                    f"takes no {' or '.join(refused)}): drop "
+                    f"{', '.join(f'modalities.{m}' for m in refused)} from the preprocessing "
+                    "config (those samples are then dropped as unconfigured_modality), or "
+                    "serve them from an encoder module of their own"
+                    if vlm is not None and spec.pretrained == vlm.path else
+                    f"its {kind} encoder encodes {takes} only: give {refused} their own "
+                    "encoder module"))
         settings[module.name] = EncoderSetting(
             modality, modality_config, spec, kind, {m: preprocess.modalities[m] for m in also},
             _output_size(module.name, spec, kind), _projection(spec, cfg, vlm))
