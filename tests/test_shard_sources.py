@@ -602,6 +602,30 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     code, _, err = cli_main(capsys, "build", str(tmp_path / "none" / "*.jsonl"), "-o",
                             tmp_path / "no", "--no-progress")
     assert code == 2 and f"{tmp_path / 'none' / '*.jsonl'}: matches no file" in err, err
+    # a ** glob reaching an earlier build's output (its index.json, skipped.jsonl): those
+    # files are no input, said; the same file twice (a glob and its name) is refused
+    code, _, err = cli_main(capsys, "build", tmp_path / "parts" / "TRAIN-0.JSONL", "-o",
+                            tmp_path / "parts" / "old", "--no-progress")
+    assert code == 0, err
+    written = sorted(p.name for p in (tmp_path / "parts" / "old").iterdir() if p.name[0] != ".")
+    code, _, err = cli_main(capsys, "build", str(tmp_path / "parts" / "**" / "*"), "-o",
+                            tmp_path / "again", "--no-progress")
+    assert code == 0 and f"{tmp_path / 'parts' / '**' / '*'} leaves out {len(written)} file(s) " \
+        f"of mimo datasets (e.g. {tmp_path / 'parts' / 'old' / written[0]}): a build's output " \
+        "is no input" in err, err
+    assert [origin_of(record)[0] for record in sample_records(tmp_path / "again")] == origins
+    code, _, err = cli_main(capsys, "build", str(tmp_path / "parts" / "*"),
+                            tmp_path / "parts" / "train-1.ndjson", "-o", tmp_path / "no",
+                            "--no-progress")
+    assert code == 2 and f"{tmp_path / 'parts' / 'train-1.ndjson'} is given twice: each of its " \
+        "records would be read twice; give it once" in err, err
+    # records saved as UTF-16 (Windows Notepad's "Unicode"): refused, saying how to convert
+    wide = tmp_path / "wide.jsonl"
+    wide.write_bytes((tmp_path / "parts" / "train-1.ndjson").read_text().encode("utf-16"))
+    code, _, err = cli_main(capsys, "build", wide, "-o", tmp_path / "no", "--no-progress")
+    assert code == 2 and f"{wide}: UTF-16 text (its byte-order mark ff fe, as Windows " \
+        f"Notepad and PowerShell write it): convert it to UTF-8 first (e.g. iconv -f UTF-16 " \
+        f"-t UTF-8 {wide} > {tmp_path / 'wide'}.utf8.jsonl)" in err, err
     packed = tmp_path / "train.jsonl.gz"
     packed.write_bytes(gzip.compress((tmp_path / "parts" / "train-1.ndjson").read_bytes()))
     for flags in ([], ["--input-format", "llava"]):

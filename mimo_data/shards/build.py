@@ -237,17 +237,45 @@ class _InputCounts:
 def _globbed(inputs: list[str]) -> list[str]:
     """``inputs`` with each glob pattern (quoted, so the shell left it: ``'data/*.parquet'``,
     a hub download's shards; ``**`` spans folders) replaced by the files it matches, sorted
-    (the folders it matches, an earlier build's output among them, left out)."""
+    (the folders it matches and the files of a mimo dataset's folder, an earlier build's
+    output, left out: said). BuildError for a file given twice (its records would each be a
+    duplicate of themselves)."""
     found: list[str] = []
     for given in inputs:
         if any(c in given for c in "*?[") and not os.path.exists(given):
-            matched = sorted(p for p in glob.glob(given, recursive=True) if os.path.isfile(p))
+            files = sorted(p for p in glob.glob(given, recursive=True) if os.path.isfile(p))
+            known: dict[str, bool] = {}
+            outputs = [p for p in files if _in_a_dataset(p, known)]
+            matched = [p for p in files if p not in outputs]
+            if outputs:
+                print(f"mimo-shard: {given} leaves out {len(outputs)} file(s) of mimo datasets "
+                      f"(e.g. {outputs[0]}): a build's output is no input", file=sys.stderr)
             if not matched:
-                raise BuildError(f"{given}: matches no file")
+                raise BuildError(f"{given}: matches no file" + (
+                    " but a mimo dataset's" if outputs else ""))
             found += matched
         else:
             found.append(given)
+    first: dict[str, str] = {}
+    for path in found:
+        same = first.setdefault(os.path.realpath(path), path)
+        if same is not path:
+            raise BuildError(f"{path} is given twice" + (f" (first as {same})" if same != path
+                                                         else "") +
+                             ": each of its records would be read twice; give it once")
     return found
+
+
+def _in_a_dataset(path: str, known: dict[str, bool]) -> bool:
+    """``path`` lies in a mimo dataset's folder (its index.json beside samples.parquet) or
+    below one (``known``: the folders looked at so far)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in known:
+        parent = os.path.dirname(folder)
+        known[folder] = all(os.path.isfile(os.path.join(folder, name))
+                            for name in (INDEX_FILE, SAMPLES_FILE)) or \
+            parent != folder and _in_a_dataset(folder, known)
+    return known[folder]
 
 
 def build(inputs: list[str], output: str, options: BuildOptions,

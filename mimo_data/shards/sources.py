@@ -668,6 +668,7 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     if not os.path.isfile(path):
         raise SourceError(f"{path}: input file {not_found(path)}")
     _refuse_compressed(path)
+    _refuse_wide_text(path)
     fmt = input_format
     suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl
     if fmt == "auto" and suffix not in (".parquet", ".json", *_LINES_SUFFIXES):
@@ -699,6 +700,24 @@ _COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2"
                b"\xfd7zXZ\x00": "xz", b"PK\x03\x04": "zip"}
 _SUFFIXES = {"gzip": ".gz", "zstd": ".zst", "bzip2": ".bz2", "xz": ".xz", "zip": ".zip"}
 _PARQUET_MAGIC = b"PAR1"
+
+
+# the byte-order marks of text in UTF-16 or UTF-32 (Windows Notepad's "Unicode", PowerShell's
+# default output), whose every record would read as malformed UTF-8
+_WIDE_BOMS = {codecs.BOM_UTF32_LE: "UTF-32", codecs.BOM_UTF32_BE: "UTF-32",
+              codecs.BOM_UTF16_LE: "UTF-16", codecs.BOM_UTF16_BE: "UTF-16"}
+
+
+def _refuse_wide_text(path: str) -> None:
+    """SourceError for records written in UTF-16 or UTF-32 (its byte-order mark first)."""
+    with open(path, "rb") as data:
+        head = data.read(4)
+    kind = next((name for bom, name in _WIDE_BOMS.items() if head.startswith(bom)), None)
+    if kind:
+        raise SourceError(f"{path}: {kind} text (its byte-order mark {head[:2].hex(' ')}, as "
+                          "Windows Notepad and PowerShell write it): convert it to UTF-8 "
+                          f"first (e.g. iconv -f {kind} -t UTF-8 {path} > "
+                          f"{os.path.splitext(path)[0]}.utf8{os.path.splitext(path)[1]})")
 
 
 def _refuse_compressed(path: str) -> None:
