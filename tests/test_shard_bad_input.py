@@ -595,6 +595,23 @@ def case_messages_not_a_list(tmp_path, assets):
                 detail="its 'messages' holds 5 (type number), not a list of turns")
 
 
+def case_an_id_that_is_an_object(tmp_path, assets):
+    """An id that names no record (an object; true or false likewise): refused as what it is,
+    not kept as Python's text of it ("{'a': 1}")."""
+    return Case({"id": {"a": 1}, "conversations": chat("Which id?", "None.")},
+                "malformed_record",
+                detail='the id is {"a": 1}: give each record a string or a number as its id')
+
+
+def case_records_wrapped_in_an_object(tmp_path, assets):
+    """A download's ``{"data": [records]}`` (one line: read as one record): said as a list
+    wrapped in an object, with the command that unwraps it."""
+    return Case({"data": [{"id": "a", "conversations": chat("Hi?", "Hello.")}]},
+                "malformed_record", detail="the record wraps a list of 1 objects under 'data' "
+                "(a file of records inside an object?): give that list as the file, e.g. jq "
+                "'.data' FILE > records.json")
+
+
 def case_duplicate_id(tmp_path, assets):
     return Case({"id": "good-1", "conversations": chat("Same id again?", "Yes.")},
                 "duplicate_id")

@@ -619,6 +619,14 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
                             "--no-progress")
     assert code == 2 and f"{tmp_path / 'parts' / 'train-1.ndjson'} is given twice: each of its " \
         "records would be read twice; give it once" in err, err
+    # a JSON file of records wrapped in an object (a download's {"data": [...]}): the list
+    # named, with the command that unwraps it
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"data": good_records[:2]}, indent=1))
+    code, _, err = cli_main(capsys, "build", wrapped, "-o", tmp_path / "no", "--no-progress")
+    assert code == 2 and f"{wrapped}: expected a JSON array of records, got a JSON object " \
+        f"holding a list under 'data': give that list as the file (e.g. jq '.data' {wrapped} > " \
+        "records.json)" in err, err
     # records saved as UTF-16 (Windows Notepad's "Unicode"): refused, saying how to convert
     wide = tmp_path / "wide.jsonl"
     wide.write_bytes((tmp_path / "parts" / "train-1.ndjson").read_text().encode("utf-16"))

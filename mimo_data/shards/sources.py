@@ -290,8 +290,13 @@ def _as_list(value) -> list:
 
 
 def _record_id(value) -> str | None:
+    """A record's id as text: a string, or a number's digits (``7``: ``"7"``); RecordError for
+    what names no record (true/false, an object, a list)."""
     if value is None:
         return None
+    if isinstance(value, (bool, dict, list)):
+        raise RecordError("malformed_record", f"the id is {json.dumps(value, default=str)}: "
+                          "give each record a string or a number as its id")
     text = str(value)
     try:
         text.encode("utf-8")
@@ -363,8 +368,13 @@ class ConversationFile:
                               "JSONL when its first line is a whole object; else name it "
                               ".jsonl)") from None
         if not isinstance(records, list):
+            inside = [key for key, value in records.items() if isinstance(value, list)] \
+                if isinstance(records, dict) else []
             raise SourceError(f"{self.path}: expected a JSON array of records, "
-                              f"got a {json_type(records)}")
+                              f"got a JSON {json_type(records)}" + (
+                                  f" holding a list under {inside[0]!r}: give that list as the "
+                                  f"file (e.g. jq '.{inside[0]}' {self.path} > records.json)"
+                                  if len(inside) == 1 else ""))
         return records
 
     def record_id(self, task: Task) -> str | None:
@@ -400,6 +410,14 @@ class ConversationFile:
                               "such records alone, one per line, as NeMo writes it; give them "
                               "a file of their own (read as a manifest when its first record "
                               "is one, or with --input-format manifest)")
+        wrapped = [key for key, value in record.items() if isinstance(value, list) and value
+                   and all(isinstance(item, dict) for item in value)]
+        if turns is None and len(record) == 1 and wrapped:
+            raise RecordError("malformed_record", f"no conversation: the record wraps a list of "
+                              f"{len(record[wrapped[0]])} objects under {wrapped[0]!r} (a file "
+                              "of records inside an object?): give that list as the file, e.g. "
+                              f"jq '.{wrapped[0]}' FILE > records.json, or jq -c "
+                              f"'.{wrapped[0]}[]' FILE > records.jsonl")
         if turns is None:
             raise RecordError("malformed_record", f"no conversation: the record has the keys "
                               f"{sorted(record)[:12]}, and mimo reads 'messages' or "
