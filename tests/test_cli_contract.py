@@ -168,6 +168,10 @@ def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):
     code, err = _main(module, capsys, "build", source, "-o", tmp_path / "c",
                       "--max-shard-bytes", "lots")
     assert code == 2 and "lots" in err
+    # sizes in bytes or KB/MB/GB as powers of 1024, a fraction too
+    from mimo_data.shards.cli import _byte_size
+    assert [_byte_size(t) for t in ("500000", "512MB", "1.5GB", "0.5 KiB", "2g")] == [
+        500000, 512 * 2**20, 3 * 2**29, 512, 2 * 2**30]
 
 
 def test_shard_failed_data_and_checks_exit_1(capsys, tmp_path, good_records):

@@ -47,10 +47,11 @@ def _at_least(minimum: int):
 
 
 def _byte_size(text: str) -> int:
-    match = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", text.strip(), re.IGNORECASE)
+    """Bytes, or KB/MB/GB (powers of 1024, as KiB/MiB/GiB), a fraction allowed (1.5GB)."""
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([KMG]?)i?B?", text.strip(), re.IGNORECASE)
     if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 500000, 512MB or 1GB")
-    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 500000, 512MB or 1.5GB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 def _shard_name(text: str) -> str:
@@ -78,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--max-samples-per-shard", type=_at_least(1), default=5000,
                    help="start a new shard after this many samples (default 5000)")
     b.add_argument("--max-shard-bytes", type=_byte_size, default=1 << 30,
-                   help="e.g. 512MB (default 1GB)")
+                   help="e.g. 512MB or 1.5GB, KB/MB/GB being powers of 1024 (default 1GB)")
     b.add_argument("--workers", type=_at_least(0), default=1,
                    help="processes validating media while the main one writes (0: all in one; "
                    "default 1)")
