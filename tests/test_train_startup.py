@@ -576,8 +576,25 @@ def test_a_copy_of_a_dataset_given_beside_it_is_refused(tmp_path, loader_corpus)
         f"{shard['name']} (the same bytes: two indexes of the same tars, or a copy): its "
         f"{shard['samples']} samples would train twice an epoch; give each shard in one "
         "dataset (mimo-shard index takes a list of tars)")
-    # ... unless one of them draws nothing (weight 0)
+    # ... unless one of them draws nothing (weight 0), or reads the tar otherwise (an index
+    # of its long captions beside one of its short ones: other samples)
     _check_no_copies(config([loader_corpus, copy], weights=[1, 0]))
+    index["build"] = {"members": {"layout": "pairs", "text": "long"}}
+    (copy / "index.json").write_text(json.dumps(index))
+    beside = tmp_path / "short"
+    beside.mkdir()
+    (beside / "index.json").write_text(json.dumps({**index, "build": {
+        "members": {"layout": "pairs", "text": "txt"}}}))
+    _check_no_copies(config([beside, copy]))
+    (beside / "index.json").write_text(json.dumps({**index, "build": {
+        "members": {"text": "long", "layout": "pairs"}}, "name": "again"}))
+    with pytest.raises(TrainConfigError, match=f"gives {beside} and {copy}, which both hold "
+                       f"shard {shard['name']}"):
+        _check_no_copies(config([beside, copy]))
+    # two tars of the same bytes in one dataset (its own to hold): not said as two datasets
+    (beside / "index.json").write_text(json.dumps({**index, "shards": [
+        {**shard, "sha256": "1" * 64}, {**shard, "name": "again.tar", "sha256": "1" * 64}]}))
+    _check_no_copies(config([beside, copy]))
     shard["sha256"] = "0" * 64                              # another dataset: nothing to say
     (copy / "index.json").write_text(json.dumps(index))
     _check_no_copies(config([loader_corpus, copy], [loader_corpus, copy]))

@@ -123,7 +123,8 @@ def _check_no_copies(cfg: TrainConfig) -> None:
     drawn = [d for d, weight in zip(cfg.data.datasets, weights) if weight > 0]
     for key, directories in (("data.datasets", drawn), ("data.valid", cfg.data.valid)):
         seen: dict[bytes, str] = {}
-        shards: dict[str, tuple[str, str]] = {}     # a shard's sha256 -> dataset, its name
+        # a shard's sha256 -> how each dataset holding it reads it, the dataset, its name there
+        shards: dict[str, list[tuple[str, str, str]]] = {}
         twice = ("would train twice an epoch" if key == "data.datasets" else
                  "would count twice in the validation loss")
         for directory in directories if len(directories) > 1 else ():
@@ -140,9 +141,14 @@ def _check_no_copies(cfg: TrainConfig) -> None:
                     (", and to draw from it more often, data.weights"
                      if key == "data.datasets" else ""))
             seen[digest] = directory
-            for shard in _shards_of(data):
-                if shard["sha256"] in shards:
-                    other, name = shards[shard["sha256"]]
+            held_shards, reading = _shards_of(data)
+            for shard in held_shards:
+                earlier = shards.setdefault(shard["sha256"], [])
+                # the same samples: read alike, or one of them a built dataset's whole samples
+                same = [(other, name) for how, other, name in earlier if other != directory
+                        and (how == reading or "" in (how, reading))]
+                if same:
+                    other, name = same[0]
                     raise TrainConfigError(
                         f"{key} gives {other} and {directory}, which both hold shard "
                         f"{name}" + (f" (as {shard['name']} in {directory})"
@@ -150,19 +156,25 @@ def _check_no_copies(cfg: TrainConfig) -> None:
                         f" (the same bytes: two indexes of the same tars, or a copy): its "
                         f"{shard['samples']} samples {twice}; give each shard in one dataset "
                         "(mimo-shard index takes a list of tars)")
-                shards[shard["sha256"]] = (directory, shard["name"])
+                earlier.append((reading, directory, shard["name"]))
 
 
-def _shards_of(index: bytes) -> list[dict]:
+def _shards_of(index: bytes) -> tuple[list[dict], str]:
     """An index.json's shards that hold samples, each with its sha256 (an index that does
-    not parse is said by the dataset's own opening)."""
+    not parse is said by the dataset's own opening), and how its samples are read of them:
+    a built dataset's tars hold its samples whole (""); an index of tars read in place reads
+    them by the members its build records (its layout, which member is what), so that two
+    indexes reading one tar otherwise (its short and its long captions) hold other samples."""
     try:
-        listed = json.loads(index).get("shards")
+        found = json.loads(index)
+        listed = found.get("shards")
+        reading = "" if "shard_root" not in found else json.dumps(
+            (found.get("build") or {}).get("members"), sort_keys=True)
     except (ValueError, AttributeError):
-        return []
-    return [shard for shard in listed if isinstance(shard, dict) and shard.get("samples") and
-            isinstance(shard.get("sha256"), str) and isinstance(shard.get("name"), str)] \
-        if isinstance(listed, list) else []
+        return [], ""
+    return ([shard for shard in listed if isinstance(shard, dict) and shard.get("samples") and
+             isinstance(shard.get("sha256"), str) and isinstance(shard.get("name"), str)]
+            if isinstance(listed, list) else []), reading
 
 
 def _check_each_once(cfg: TrainConfig) -> None:
