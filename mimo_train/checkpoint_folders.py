@@ -18,8 +18,10 @@ MANIFEST = "integrity.json"        # megatron-core's name (dist_checkpointing.va
 STEP_NAME = r"step_\d{7}"          # a step's checkpoint folder in a checkpoint.dir
 
 
-# the files of one step's save (megatron-core's and torch.distributed.checkpoint's, mimo's)
-_STEP_FILES = re.compile(r"^(integrity\.json|meta\.json|\.metadata|.*\.distcp)$")
+# the files of one step's save: torch.distributed.checkpoint's (its .metadata, its .distcp
+# files), megatron-core's manifest (integrity.json), mimo's meta.json
+_SAVED_FILES = re.compile(r"^(integrity\.json|\.metadata|.*\.distcp)$")
+_STEP_FILES = re.compile(rf"{_SAVED_FILES.pattern}|^{re.escape(META)}$")
 
 
 def is_step_folder(path: str) -> bool:
@@ -32,6 +34,13 @@ def is_step_folder(path: str) -> bool:
         return False
     return bool(re.fullmatch(STEP_NAME, os.path.basename(os.path.abspath(path)))) or \
         any(_STEP_FILES.match(name) for name in names)
+
+
+def holds_a_save(path: str) -> bool:
+    """``path`` holds one step's saved tensors or manifest itself (not in step folders): a
+    step's checkpoint, which a run given it as its checkpoint.dir would write into (an empty
+    folder named like a step, or one of a user's own files, is none)."""
+    return os.path.isdir(path) and any(_SAVED_FILES.match(name) for name in os.listdir(path))
 
 
 def step_dir(root: str, step: int) -> str:

@@ -196,14 +196,23 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path, mo
     with pytest.raises(CheckpointError, match=f"set model.pretrained={model} and give "):
         prepare(str(model), resume=True)
     assert sorted(os.listdir(model)) == ["config.json", "model-00001-of-00002.safetensors"]
-    # one step's folder (as the run's "checkpoint" line names it), finished or not, and a
-    # dataset's folder: refused before a step is written among what they hold
+    # one step's folder (as the run's "checkpoint" line names it), and a dataset's folder:
+    # refused before a step is written among what they hold
     step = tmp_path / "step_0000002"
-    for given in (step, tmp_path / "step_0000004"):
-        with pytest.raises(CheckpointError, match=(
-                f"checkpoint.dir {given} is one step's checkpoint, not a run's checkpoint.dir"
-                rf".*give its checkpoint.dir, {tmp_path}; .*model.init_from={given} ")):
-            check_folder(str(given), resume=True)
+    with pytest.raises(CheckpointError, match=(
+            f"checkpoint.dir {step} is one step's checkpoint, not a run's checkpoint.dir"
+            rf".*give its checkpoint.dir, {tmp_path}; .*model.init_from={step} ")):
+        check_folder(str(step), resume=True)
+    # ... not a run's own folder named like a step, before its first save or after (its
+    # claim there), nor a folder of one's own that holds a meta.json
+    named = tmp_path / "runs" / "step_0000001"
+    for _ in range(2):                      # (the first run's claim left: a crash)
+        assert prepare(str(named), resume=True) is None
+    checkpoint.unclaim(str(named))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "meta.json").write_text("{}")
+    assert prepare(str(tmp_path / "mine"), resume=True) is None
+    checkpoint.unclaim(str(tmp_path / "mine"))
     renamed = tmp_path / "best"                        # a step's folder under another name
     shutil.copytree(step, renamed)
     with pytest.raises(CheckpointError, match="best is one step's checkpoint"):

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from mimo_data.files import write_atomic
 from mimo_data.shards.format import INDEX_FILE, SAMPLES_FILE
 from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, complete_steps,
-                                           damaged, is_model_folder, is_step_folder, latest,
+                                           damaged, holds_a_save, is_model_folder, latest,
                                            read_meta, resume_point, step_dir)
 from mimo_train.components import checkpoint_owner, digests
 from mimo_train.components.checkpoint_fit import module_of
@@ -121,7 +121,7 @@ def _check_writable(root: str) -> None:
 def _check_kind(root: str) -> None:
     """``CheckpointError`` where ``root`` is a model folder, one step's checkpoint, a dataset
     or a file: a run would write its steps among what it holds."""
-    if is_step_folder(root):
+    if holds_a_save(root):
         raise CheckpointError(
             f"checkpoint.dir {root} is one step's checkpoint, not a run's checkpoint.dir (the "
             "folder of its step_NNNNNNN folders): to resume that run give its checkpoint.dir, "
