@@ -391,8 +391,13 @@ def test_a_video_modality_for_llava_s_tower_says_the_model_takes_none():
                                         f"model.pretrained={checkpoint}",
                                         "layout=image=dp1,video;language=dp1"]), preprocess)
     assert f"model.pretrained {checkpoint}'s tower encodes ['image'] only (the model takes no " \
-        "video): drop modalities.video from the preprocessing config (those samples are then " \
-        "dropped as unconfigured_modality)" in str(refused.value), refused.value
+        "video): drop modalities.video from the preprocessing config and video from module " \
+        "'image' of the layout (those samples are then dropped as unconfigured_modality)" \
+        in str(refused.value), refused.value
+    # done so: planned
+    resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={checkpoint}",
+                                    "layout=image=dp1;language=dp1"]),
+            PreprocessConfig.from_dict(config))
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -79,7 +79,8 @@ def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | No
                     f"model.pretrained {vlm.path}'s tower encodes {takes} only (the model "
                     f"takes no {' or '.join(refused)}): drop "
                     f"{', '.join(f'modalities.{m}' for m in refused)} from the preprocessing "
-                    "config (those samples are then dropped as unconfigured_modality), or "
+                    f"config and {', '.join(refused)} from module {module.name!r} of the "
+                    "layout (those samples are then dropped as unconfigured_modality), or "
                     "serve them from an encoder module of their own"
                     if vlm is not None and spec.pretrained == vlm.path else
                     f"its {kind} encoder encodes {takes} only: give {refused} their own "
