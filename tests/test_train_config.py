@@ -305,7 +305,11 @@ def test_unknown_key_message_lists_the_known_ones(tmp_path):
                           "router_aux_loss_coef)"),
                          ("optimizer.learning_rate=1e-5", "goes in optimizer.lr here"),
                          ("train.max_steps=100", "train.max_steps goes in train.steps here"),
-                         ("train.save_steps=100", "goes in checkpoint.interval here")):
+                         ("train.save_steps=100", "goes in checkpoint.interval here"),
+                         # flat, as TrainingArguments are written
+                         ("max_steps=100", "; max_steps goes in train.steps here"),
+                         ("bf16=true", "; bf16 goes in train.precision (bf16) here"),
+                         ("checkpoint.save_total_limit=2", "goes in checkpoint.keep_last here")):
         message = load_error(tmp_path, MINIMAL, theirs)
         assert ours in message, message
     # a whole preprocessing config given as the training config: said as one

@@ -62,10 +62,18 @@ LANGUAGE_RECOMPUTE = ("none", "selective", "full")
 ENCODER_RECOMPUTE = ("none", "full")
 
 
-def _transformers_names(ours: dict[str, str]) -> dict[str, str]:
-    """``ELSEWHERE`` entries for the names transformers gives these settings (its configs',
-    its Trainer's): each said as ours."""
-    return {theirs: f"{key} here (transformers' {theirs})" for theirs, key in ours.items()}
+# the names transformers gives settings of ours (its Trainer's TrainingArguments, its model
+# configs'), wherever a user coming from it writes them: said as ours (``ELSEWHERE``)
+TRANSFORMERS_NAMES = {theirs: f"{ours} here (transformers' {theirs})" for theirs, ours in {
+    "max_steps": "train.steps", "per_device_train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size (the micro-batches of a step: "
+    "global / (micro x language dp))",
+    "logging_steps": "train.log_interval", "bf16": "train.precision (bf16)",
+    "seed": "train.seed", "learning_rate": "optimizer.lr",
+    "warmup_steps": "optimizer.warmup_steps", "weight_decay": "optimizer.weight_decay",
+    "max_grad_norm": "optimizer.clip_grad", "save_steps": "checkpoint.interval",
+    "save_total_limit": "checkpoint.keep_last", "output_dir": "checkpoint.dir",
+    "router_aux_loss_coef": "model.language.moe_aux_loss"}.items()}
 
 
 @dataclass
@@ -106,7 +114,7 @@ class LanguageConfig:
     Llama / Qwen2 / Qwen3 directory (or cached hub name), or a whole VLM's, whose
     config.json gives the dims and M-RoPE section (any also set here must agree) and whose
     weights are loaded (``mimo_train/families/causal_lm/``)."""
-    ELSEWHERE = _transformers_names({"router_aux_loss_coef": "model.language.moe_aux_loss"})
+    ELSEWHERE = TRANSFORMERS_NAMES
     num_layers: Positive | None = None                # default 2 (or the checkpoint's)
     hidden_size: Positive | None = None               # default 64
     num_attention_heads: Positive | None = None       # default 4
@@ -223,8 +231,7 @@ class ModuleOptimizerConfig:
 
 @dataclass
 class OptimizerConfig:
-    ELSEWHERE = _transformers_names({"learning_rate": "optimizer.lr",
-                                     "max_grad_norm": "optimizer.clip_grad"})
+    ELSEWHERE = TRANSFORMERS_NAMES
     lr: Annotated[float, Range(0)] = 1e-3
     min_lr: float = 1e-4                              # in [0, lr] (``check``)
     warmup_steps: Count = 0
@@ -289,13 +296,7 @@ class ProfileConfig:
 
 @dataclass
 class RunConfig:
-    ELSEWHERE = _transformers_names({
-        "max_steps": "train.steps", "per_device_train_batch_size": "train.micro_batch_size",
-        "gradient_accumulation_steps": "train.global_batch_size (the micro-batches of a step: "
-        "global / (micro x language dp))",
-        "logging_steps": "train.log_interval",
-        "save_steps": "checkpoint.interval", "output_dir": "checkpoint.dir",
-        "bf16": "train.precision: bf16", "learning_rate": "optimizer.lr"})
+    ELSEWHERE = TRANSFORMERS_NAMES
     global_batch_size: Positive = 8
     micro_batch_size: Positive = 2                    # per language DP rank
     steps: Positive = 20
@@ -353,6 +354,7 @@ def _check_exit_signal(name: str) -> None:
 
 @dataclass
 class CheckpointConfig:
+    ELSEWHERE = TRANSFORMERS_NAMES
     dir: str | None = None
     interval: Count = 0                               # 0: only at the end
     resume: bool = True                               # continue from dir's latest checkpoint
@@ -381,6 +383,7 @@ def refuse_preprocessing_config(data: dict, path: str) -> None:
 
 @dataclass
 class TrainConfig:
+    ELSEWHERE = TRANSFORMERS_NAMES
     data: DataConfig = field(default_factory=DataConfig)
     # as the loader takes it: "image=dp1;language=dp1", a mapping, or a YAML file's path
     layout: str | dict = "language=dp1"
