@@ -787,6 +787,15 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
     assert "a smaller micro batch" not in out
 
 
+def test_a_memory_over_its_limit_reads_larger_at_any_closeness():
+    """``X GiB > Y``: one decimal where it tells them apart, as many more as it takes."""
+    from mimo_train.planning.advisor.report import gib_over
+    assert gib_over(70.64, 68.2) == ("70.6", "68.2")
+    assert gib_over(0.1234, 0.1201) == ("0.123", "0.120")
+    assert gib_over(0.05, 0.001) == ("0.1", "0.0")
+    assert gib_over(2.00004, 2.00001) == ("2.0000", "2.0000")     # at most four
+
+
 def _reads_over(over: str, limit: str, over_gib: float, limit_gib: float) -> bool:
     """A line's "``over`` > ``limit``" GiB: each the value rounded to the places it shows (one,
     or more), the first reading larger (not "0.1 > 0.1")."""

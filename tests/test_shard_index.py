@@ -632,6 +632,9 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", tmp_path / "idx-other",
                             "--split", "val", "--workers", "0", "--no-progress")
     assert code == 2 and "--split val: a split of an Energon dataset's split.yaml" in err, err
+    code, _, err = cli_main(capsys, "index", tmp_path, "--output", tmp_path / "idx-above",
+                            "--split", "val", "--workers", "0", "--no-progress")
+    assert code == 2 and f"holds the Energon dataset {folder}: give that folder" in err, err
     (folder / ".nv-meta" / "split.yaml").write_text(split)
 
 

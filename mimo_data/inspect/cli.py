@@ -600,7 +600,7 @@ def _skipped_record(directory: str, record_id: str) -> str | None:
             for line in lines:
                 entry = json.loads(line)
                 tar, _, key = str(entry.get("location")).rpartition(":")
-                if entry.get("id") == record_id or tar.endswith(".tar") and \
+                if entry.get("id") == record_id or tar.lower().endswith(".tar") and \
                         record_id in (key, f"{tar}/{key}"):
                     return f"{entry['location']}: {entry['reason']}: {entry['detail']}"
     except (OSError, ValueError, KeyError, AttributeError):   # a damaged list: not said

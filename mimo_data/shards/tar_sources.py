@@ -255,10 +255,6 @@ def _resolve(sources: list[str], options: IndexOptions,
         if options.layout == "energon":
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
-    if options.split != "train":            # (an Energon folder's split was read above)
-        raise IndexInputError(f"--split {options.split}: a split of an Energon dataset's "
-                              f"{energon.SPLIT_YAML}; give the dataset's folder (one with "
-                              f"{energon.META}/), or leave --split out")
     if folder_given:
         files = _list_files(root, storage_options)
         below = _energon_below(files)
@@ -342,6 +338,10 @@ def _resolve(sources: list[str], options: IndexOptions,
                               "mimo reads (--split val: its validation split), not its tars" + (
                                   "" if folder_given or len(paths) == 1 else
                                   f" (one of the {len(paths)} tars given)"))
+    if options.split != "train":            # (an Energon folder's was read above)
+        raise IndexInputError(f"--split {options.split}: a split of an Energon dataset's "
+                              f"{energon.SPLIT_YAML}; give the dataset's folder (one with "
+                              f"{energon.META}/), or leave --split out")
     names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
              for p in paths]
     mapping, first = _member_map(root, names, options, storage_options)

@@ -86,6 +86,8 @@ def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | 
             check_fit(resolve(cfg), config)
         except TrainConfigError as error:
             return str(error), cfg.data.packing, cfg.data.split_media
+        except OSError as error:            # its tokenizer or checkpoint files unreadable
+            raise ValueError(f"--model {request.model}: {error}") from None
         return None, cfg.data.packing, cfg.data.split_media
     layout = Layout.parse(request.layout)
     served = {m: module for m, module in layout.modalities.items() if m in config.modalities}
