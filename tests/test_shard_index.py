@@ -205,7 +205,7 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
     # mimo-inspect sample --key of a sample the index skipped (its key, or TAR/KEY): why
     from mimo_data.inspect.cli import main as inspect_main
     config = REPO / "configs" / "preprocess.yaml"
-    for key in ("000000010", "pairs-000002.tar/000000010"):
+    for key in ("000000010", "10", "pairs-000002.tar/000000010"):
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             code = inspect_main(["sample", str(pairs.out), "--key", key, "--config",

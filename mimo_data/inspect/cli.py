@@ -588,8 +588,8 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
 def _skipped_record(directory: str, record_id: str) -> str | None:
     """Where and why the build of ``directory`` (a folder or a bucket's) skipped the record
     of ``record_id``, as its skipped.jsonl says (read line by line): its id, or in an index
-    of tars read in place (``TAR:KEY`` locations) its key, or ``TAR/KEY``; None where it
-    names no such record."""
+    of tars read in place (``TAR:KEY`` locations) its key (``42`` for ``000000042``, as
+    ``_position_of`` takes it), or ``TAR/KEY``; None where it names no such record."""
     from mimo_data.shards import storage
     from mimo_data.shards.format import SKIPPED_FILE
     listed = storage.join(directory, SKIPPED_FILE)
@@ -600,8 +600,9 @@ def _skipped_record(directory: str, record_id: str) -> str | None:
             for line in lines:
                 entry = json.loads(line)
                 tar, _, key = str(entry.get("location")).rpartition(":")
-                if entry.get("id") == record_id or tar.lower().endswith(".tar") and \
-                        record_id in (key, f"{tar}/{key}"):
+                if entry.get("id") == record_id or tar.lower().endswith(".tar") and (
+                        record_id in (key, f"{tar}/{key}") or
+                        record_id.isdigit() and key.isdigit() and int(record_id) == int(key)):
                     return f"{entry['location']}: {entry['reason']}: {entry['detail']}"
     except (OSError, ValueError, KeyError, AttributeError):   # a damaged list: not said
         return None
