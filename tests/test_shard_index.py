@@ -542,10 +542,16 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     assert (folder / ".nv-meta" / "split.yaml").is_file()
     with open(folder / ".nv-meta" / "dataset.yaml", "a") as dataset:   # not used by mimo
         dataset.write("subflavors: {source: coco}\n")
+    written = (folder / ".nv-meta" / "dataset.yaml").read_text()
+    (folder / ".nv-meta" / "dataset.yaml").write_text(written.replace(
+        "field_map:\n", "field_map:\n  alt: json[alt_text]\n"))
     code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 0, err
     assert "layout energon" in err and "dataset.yaml's subflavors are not read" in err, err
+    assert "its field_map.alt names no field of a CaptioningSample (Energon refuses it): not " \
+        "read" in err, err
+    (folder / ".nv-meta" / "dataset.yaml").write_text(written)
     assert "warning" not in err, err        # the tars hold what energon prepare counted
     from mimo_data.shards.reader import ShardReader
     reader = ShardReader(str(tmp_path / "idx"))

@@ -73,10 +73,13 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
     """The layout of the dataset's ``field_map``: CaptioningSample's ``image`` + ``caption``
     are caption pairs, VQASample's ``image`` + ``context`` + ``answers`` a question-answer
     conversation. Other sample types and ``sample_loader`` code are refused (SourceError).
-    And the ``dataset.yaml`` keys that mean something to Energon's task encoders and nothing
-    to mimo (``subflavors``: which prompt or task a sample is for), so that a user is told."""
+    And what of ``dataset.yaml`` mimo does not read, each said as a sentence: the keys that
+    mean something to Energon's task encoders and nothing to mimo (``subflavors``: which
+    prompt or task a sample is for), and field_map entries of fields the sample type lacks."""
     dataset = _yaml(root, DATASET_YAML, storage_options)
-    unread = [key for key in ("subflavors", "subflavor") if dataset.get(key)]
+    unread = [f"its {DATASET_YAML}'s {key} are not read: Energon's task encoders choose "
+              "prompts by them, mimo's preprocessing config does"
+              for key in ("subflavors", "subflavor") if dataset.get(key)]
     where = storage.join(root, META, DATASET_YAML)
     kind = sample_type(dataset)
     fields = dataset.get("field_map")
@@ -100,6 +103,11 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
                                        else f"its fields: {sorted(fields)}")
                           + f": set {', '.join(f'field_map.{m}' for m in missing)} in "
                           f"{DATASET_YAML}, or {OTHERWISE}")
+    # (a VQAOCRSample has OCR fields beside these, which mimo does not read)
+    extra = sorted(set(fields) - set(needed) - {"answer_weights"}) \
+        if kind in ("CaptioningSample", "VQASample") else []
+    unread += [f"its field_map.{name} names no field of a {kind} (Energon refuses it): not read"
+               for name in extra]
     if kind == "CaptioningSample":                # each field it needs is there (above)
         return MemberMap("pairs", media=fields["image"], text=fields["caption"]), unread
     if kind in ("VQASample", "VQAOCRSample"):

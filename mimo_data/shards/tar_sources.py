@@ -239,9 +239,8 @@ def _resolve(sources: list[str], options: IndexOptions,
                     first, head, _ = _head(root, names, storage_options)
                     _check_pair_members(storage.join(root, first), head, [
                         (f"{fields} image", mapping.media), (f"{fields} caption", mapping.text)])
-                for key in unread:
-                    say(f"its dataset.yaml's {key} are not read: Energon's task encoders "
-                        "choose prompts by them, mimo's preprocessing config does")
+                for sentence in unread:
+                    say(sentence)
                 counts, counts_file = _energon_counts(root, storage_options)
                 return Source(root, names, mapping, frozenset(excludes), counts=counts,
                               counts_file=counts_file)
