@@ -651,7 +651,11 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
      "sample_loader: sample_loader.py:sample_loader\npart_filter: sample_loader.py:part_filter\n",
      "a sample_loader is Python code mimo does not run"),
     ("sample_type: {__module__: megatron.energon, __class__: InterleavedSample}\n"
-     "field_map: {sequence: json}\n", "sample type InterleavedSample with fields ['sequence']")])
+     "field_map: {sequence: json}\n", "sample type InterleavedSample with fields ['sequence']"),
+    # a class of one's own named as Energon's: not read as Energon's
+    ("sample_type: {__module__: my_project.samples, __class__: CaptioningSample}\n"
+     "field_map: {image: jpg, caption: txt}\n", "sample type my_project.samples."
+     "CaptioningSample, a class of your own (not Energon's)")])
 def test_an_energon_dataset_mimo_cannot_read_is_refused_with_what_to_do(tmp_path, dataset, why):
     from mimo_data.shards import energon
     from mimo_data.shards.sources import SourceError

@@ -77,6 +77,13 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
     mean something to Energon's task encoders and nothing to mimo (``subflavors``: which
     prompt or task a sample is for), and field_map entries of fields the sample type lacks."""
     dataset = _yaml(root, DATASET_YAML, storage_options)
+    declared = dataset.get("sample_type", dataset)
+    module = str(declared.get("__module__", "")) if isinstance(declared, dict) else ""
+    if module and module.split(".")[:2] != ["megatron", "energon"]:
+        raise SourceError(f"{storage.join(root, META, DATASET_YAML)}: sample type "
+                          f"{module}.{declared.get('__class__', '?')}, a class of your own "
+                          "(not Energon's): its samples are made by code mimo does not run; "
+                          f"{OTHERWISE}")
     unread = [f"its {DATASET_YAML}'s {key} are not read: Energon's task encoders choose "
               "prompts by them, mimo's preprocessing config does"
               for key in ("subflavors", "subflavor") if dataset.get(key)]
