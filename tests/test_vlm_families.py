@@ -468,6 +468,15 @@ def test_preprocessing_for_prints_the_derived_config(capsys, monkeypatch):
         "token": "<image>", "policy": "fixed", "image_size": processor["crop_size"]["height"],
         "patch_size": 14, "crop": True, "mean": processor["image_mean"],
         "std": processor["image_std"]}
+    assert "# image: max_pixels" not in out         # a fixed size: its tokens are known
+    # a Qwen checkpoint's pixel budget (16384 tokens an image) over the default seq_length:
+    # said, with a budget that fits
+    assert main(["--preprocessing-for",
+                 str(MODELS / "published" / "Qwen--Qwen2.5-VL-7B-Instruct")]) == 0
+    assert "\n# image: max_pixels 12845056 is up to 16384 tokens an image, more than " \
+        "seq_length 1024: a sample with such an image is dropped as too long; lower " \
+        "max_pixels (e.g. 401408, 512 tokens at the most) or raise seq_length.\n" in \
+        capsys.readouterr().out
     assert main(["--preprocessing-for", str(MODELS / "tiny-llama")]) == 2
     err = capsys.readouterr().err       # named by the option given, not the training key
     assert "--preprocessing-for " in err and "not a whole vision-language model" in err
