@@ -538,6 +538,14 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
                            LAYOUTS["language dp2"], main=main)
     assert code == 0, err
     assert "<- yours" in out and "why" in out and "bottleneck" in out
+    # yours ranked below the top shown: after them (and the other language layouts), under
+    # its own label, not as if it were next in rank
+    last = ranked[-1]["layout"]
+    code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--top", 1,
+                           "--layout", last, main=main)
+    table = out.split("layout  (settings)\n")[1].split("\nwhy\n")[0].splitlines()
+    assert code == 0 and table[0].startswith("   1 ") and table[-2] == "yours:" and \
+        table[-1].startswith(f"{len(ranked):4d} ") and table[-1].endswith("<- yours"), out
     # without --layout, the YAML's own layout is the one marked
     code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, main=main)
     assert code == 0, err

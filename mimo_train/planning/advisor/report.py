@@ -164,10 +164,17 @@ def format_report(report: dict) -> str:
         return (f"{r['rank']:4d} {_seconds(r['step_s']):>8s} {r['samples_per_s']:9.2f} "
                 f"{r['mfu']:5.2f} {r['peak_memory_gib']:8.1f}  {r['layout']}  "
                 f"({_settings_text(r['settings'])}){mark}")
-    lines += [row(r) for r in report["ranked"]]
+    # the top ranks in order; your layout, where ranked below them, after the other language
+    # layouts (ranked above it too, some of them)
+    top = [r for i, r in enumerate(report["ranked"]) if r["rank"] == i + 1]
+    lines += [row(r) for r in top]
     if report.get("other_language_layouts"):
         lines.append("the best of other language layouts:")
         lines += [row(r) for r in report["other_language_layouts"]]
+    below = [r for r in report["ranked"] if r not in top]
+    if below:
+        lines.append("yours:")
+        lines += [row(r) for r in below]
     if report["ranked"]:
         lines.append("why")
         for r in report["ranked"]:
