@@ -227,6 +227,12 @@ def test_the_caption_and_document_settings_are_checked():
                                     "captions": {"prompts": {"image": "Describe it."}}})
     with pytest.raises(ConfigError, match="no modality has wrap tokens"):
         _smol(documents=DocumentConfig(True))
+    # from a file's data, judged by its own modalities (a Qwen config's wraps): taken
+    wrapped = {"tokenizer": SMOLLM2, "documents": {"train_media_wraps": True}, "modalities": {
+        "image": {"token": "<image>", "wrap": ["<|im_start|>", "<|im_end|>"]}}}
+    assert PreprocessConfig.from_dict(wrapped).documents.train_media_wraps
+    with pytest.raises(ConfigError, match="no modality has wrap tokens"):
+        PreprocessConfig.from_dict({**wrapped, "modalities": {"image": {"token": "<image>"}}})
     config = PreprocessConfig.from_dict({"tokenizer": SMOLLM2, "captions": {"format": "chat"}})
     assert config.captions.prompts["audio"] == "<audio>\nTranscribe the audio."
     assert PreprocessConfig.from_dict(config.to_dict()) == config

@@ -51,7 +51,7 @@ tokenizer is a hub name (``HuggingFaceTB/SmolLM2-135M-Instruct``) and the templa
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import json
 import math
@@ -192,8 +192,9 @@ class PreprocessConfig:
                 data.pop(key, None)
             elif not isinstance(values, kind):
                 raise ConfigError(f"{key} is {values!r}: give a mapping of its settings")
-        config = _make(cls, data, "preprocess")
-        return replace(config, modalities=modalities) if given else config
+        if given:             # (the rules between fields see the modalities given)
+            data["modalities"] = modalities
+        return _make(cls, data, "preprocess")
 
     @classmethod
     def from_yaml(cls, path: str, *, paths_exist: bool = True) -> PreprocessConfig:
