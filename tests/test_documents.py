@@ -27,7 +27,8 @@ from mimo_data.loading import token_table
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.collate import Collator
 from mimo_data.preprocess.config import CaptionConfig, DocumentConfig, PreprocessConfig
-from mimo_data.preprocess.preprocessor import Preprocessor, media_item, preprocess_dataset
+from mimo_data.preprocess.preprocessor import (Preprocessor, SampleDropped, media_item,
+                                              preprocess_dataset)
 from mimo_data.shards.reader import ShardReader
 from mimo_data.tally import Tally
 
@@ -193,6 +194,13 @@ def test_a_qwen2_vl_document_is_the_processors_tokens_and_its_mrope_positions(
     assert torch.equal(sample.position_ids, positions[:, 0])
     batch, _ = Collator(preprocessor)([sample, sample])
     assert torch.equal(batch["position_ids"][:, 1, :input_ids.size(1)], positions[:, 0])
+    # a wrap token typed in the text (its template need not write it): refused, not trained
+    # as an image's start with no image after it
+    typed = {**record, "text": "Typed <|vision_start|> here.\n<image>\nA page:\n<image>\nDone."}
+    with pytest.raises(SampleDropped) as dropped:
+        preprocessor(typed, media)
+    assert dropped.value.reason == "literal_special_token" and \
+        "holds '<|vision_start|>'" in str(dropped.value), dropped.value
 
 
 def test_token_counts_from_metadata_equal_full_preprocessing(corpus, encoders):

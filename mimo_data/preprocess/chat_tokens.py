@@ -73,7 +73,9 @@ class TextEncoder:
         self.modality_token_ids = self.markers.modality_token_ids
         self.renderer = ChatRenderer(config, self.tokenizer)
         self.answer_parts = AnswerParts(self.render, self.renderer.template)
-        self.typed = TypedTokens(delimiter_tokens(self.tokenizer, self.renderer.template))
+        self.typed = TypedTokens(delimiter_tokens(
+            self.tokenizer, self.renderer.template,
+            {token for modality in config.modalities.values() for token in modality.wrap or ()}))
         self.kinds = KindRenderer(config, self.tokenizer, self.renderer.part_joiner)
         self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                              else self.tokenizer.eos_token_id)

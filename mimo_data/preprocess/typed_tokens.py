@@ -19,15 +19,17 @@ from mimo_data.modalities import MARKERS
 from mimo_data.preprocess.chat_render import TextError
 
 
-def delimiter_tokens(tokenizer, template: str | None) -> set[str]:
+def delimiter_tokens(tokenizer, template: str | None, wraps: Iterable[str] = ()) -> set[str]:
     """The special tokens of ``tokenizer`` that delimit turns, texts or media: those the chat
-    ``template`` writes, and the BOS, EOS, pad and unknown tokens; not the media markers."""
+    ``template`` writes, the media's ``wraps`` (the config's ``modalities.NAME.wrap``: written
+    around each item whatever the template), and the BOS, EOS, pad and unknown tokens; not
+    the media markers."""
     special = {token.content for token in tokenizer.added_tokens_decoder.values()
                if token.special}
     named = {str(getattr(tokenizer, name, None))
              for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
     written = {token for token in special if template is not None and token in template}
-    return (written | (named & special)) - set(MARKERS.values())
+    return (written | (named & special) | set(wraps)) - set(MARKERS.values())
 
 
 class TypedTokens:
