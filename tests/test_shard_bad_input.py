@@ -612,6 +612,16 @@ def case_records_wrapped_in_an_object(tmp_path, assets):
                 "'.data' FILE > records.json")
 
 
+def case_a_document_and_a_conversation_in_one_record(tmp_path, assets):
+    """``texts`` beside ``messages``: refused, not built as the document with the
+    conversation left out."""
+    return Case({"id": "both", "texts": ["Hello there."], "images": [None],
+                 "messages": [{"role": "user", "content": "Hi?"},
+                              {"role": "assistant", "content": "Hello."}]},
+                "malformed_record", detail="both a document's 'texts' and 'messages': a record "
+                "is one document, conversation or caption pair")
+
+
 def case_duplicate_id(tmp_path, assets):
     return Case({"id": "good-1", "conversations": chat("Same id again?", "Yes.")},
                 "duplicate_id")

@@ -394,6 +394,11 @@ class ConversationFile:
         if turns is None and _are_exchanges(record.get("texts")):
             turns = record["texts"]         # the_cauldron's rows written as JSON(L)
         elif "texts" in record:
+            also = [k for k in ("conversations", "messages", "caption") if record.get(k)]
+            if also:            # one of them would be left out without a word
+                raise RecordError("malformed_record", f"both a document's 'texts' and "
+                                  f"{also[0]!r}: a record is one document, conversation or "
+                                  "caption pair; give each its own record")
             return RawRecord(id=_record_id(record.get("id")), turns=None, kind="document",
                              text=record["texts"], media={"image": _as_list(record.get("images"))})
         media = {name: _media_items(record.get(media_field(name)), record.get(name),
