@@ -479,6 +479,17 @@ def test_dry_run_matches_the_decoding_loader_and_is_json(sources, loader_corpus,
                          "--steps", "1", "--seed", "11", "--json"])
     printed = json.loads(capsys.readouterr().out)
     assert code == 0 and printed["ranks"][2]["steps"] == result["ranks"][2]["steps"][:1]
+    # the run's balance and packing, as the run (and mimo-inspect plan) lays them out
+    code = dry_run_main([str(loader_corpus), "--config", str(configs["image"]), "--layout",
+                         layout, "--global-batch-size", "8", "--micro-batch-size", "2",
+                         "--steps", "1", "--seed", "11", "--json", "--balance", "tokens",
+                         "--packing"])
+    printed = json.loads(capsys.readouterr().out)
+    planned = dry_run([str(loader_corpus)], configs["image"], layout, 8, 2, seed=11, steps=1,
+                      balance="tokens", packing=True)
+    assert code == 0 and printed["ranks"] == planned["ranks"]
+    assert any("sequences" in mb for entry in printed["ranks"] for step in entry["steps"] or ()
+               for mb in step["micro_batches"])                    # packed, as asked
     # fan-in of dynamic-resolution images: each image DP rank gets its half of the language
     # rank's micro-batch, in order
     code = dry_run_main([str(loader_corpus), "--config", str(configs["image"]), "--layout",

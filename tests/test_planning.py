@@ -648,7 +648,7 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
     assert err == (f"mimo-inspect plan: note: --model {tmp / 'mix.yaml'} trains data.datasets "
                    f"{[str(loader_corpus), str(tmp / 'other')]} with data.weights [1, 3]; this "
                    f"plan counts {loader_corpus} alone (`python -m mimo_data.loading.dry_run` "
-                   "plans the mix)\n")
+                   "plans the mix: its --weights, --balance and --packing as the run's)\n")
     unset = yaml.safe_load(variant.read_text())
     unset["data"]["preprocess"] = "nowhere.yaml"              # a file that is not there
     (tmp / "unset.yaml").write_text(yaml.safe_dump(unset))

@@ -472,7 +472,8 @@ def _other_data(args, settings: dict) -> str | None:
     mix = f" with data.weights {weights}" if weights else ""
     return (f"--model {args.model} trains data.datasets {datasets}{mix}; this plan counts "
             f"{args.directory} alone" + (
-                " (`python -m mimo_data.loading.dry_run` plans the mix)"
+                " (`python -m mimo_data.loading.dry_run` plans the mix: its --weights, "
+                "--balance and --packing as the run's)"
                 if len(datasets) > 1 else ""))
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from mimo_data.arguments import user_path
 from mimo_data.shards.index import DatasetError
+from mimo_data.loading.balance import BALANCE
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.loading.loader import TEXT_AHEAD, DataSource, build_loader, check_even_split
 
@@ -280,13 +281,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epoch", type=int, default=0)
     parser.add_argument("--steps", type=int, help="first N steps only (default: the epoch)")
     parser.add_argument("--remainder", choices=("drop", "wrap"), default="drop")
+    parser.add_argument("--balance", choices=BALANCE, default="none",
+                        help="data.balance: tokens orders each step's samples as the run does")
+    parser.add_argument("--packing", action="store_true",
+                        help="data.packing: the language ranks' samples packed into sequences")
     parser.add_argument("--json", action="store_true", help="print JSON")
     args = parser.parse_args(argv)
     try:
         result = dry_run(args.datasets, args.config, args.layout, args.global_batch_size,
                          args.micro_batch_size, world_size=args.world_size, seed=args.seed,
                          epoch=args.epoch, steps=args.steps, remainder=args.remainder,
-                         weights=args.weights)
+                         weights=args.weights, balance=args.balance, packing=args.packing)
     except (ValueError, RuntimeError, OSError, DatasetError) as exc:
         print(f"dry run: {exc}", file=sys.stderr)
         return 2
