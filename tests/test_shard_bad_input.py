@@ -622,6 +622,14 @@ def case_a_document_and_a_conversation_in_one_record(tmp_path, assets):
                 "is one document, conversation or caption pair")
 
 
+def case_a_document_whose_images_are_no_list(tmp_path, assets):
+    """A text-only document without 'images' (or one image given as a string): said as what
+    'images' is, not as lists of different lengths."""
+    return Case({"id": "doc", "texts": ["Hello there.", "More."]}, "malformed_record",
+                detail="a document's 'images' is missing: give a list parallel to 'texts', a "
+                "null at each text's position")
+
+
 def case_duplicate_id(tmp_path, assets):
     return Case({"id": "good-1", "conversations": chat("Same id again?", "Yes.")},
                 "duplicate_id")

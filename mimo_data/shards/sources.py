@@ -399,8 +399,14 @@ class ConversationFile:
                 raise RecordError("malformed_record", f"both a document's 'texts' and "
                                   f"{also[0]!r}: a record is one document, conversation or "
                                   "caption pair; give each its own record")
+            images = record.get("images")
+            if not isinstance(images, list):
+                raise RecordError("malformed_record", "a document's 'images' is " + (
+                    "missing" if images is None else f"a JSON {json_type(images)}") +
+                    ": give a list parallel to 'texts', a null at each text's position (and "
+                    "each image at a null of 'texts')")
             return RawRecord(id=_record_id(record.get("id")), turns=None, kind="document",
-                             text=record["texts"], media={"image": _as_list(record.get("images"))})
+                             text=record["texts"], media={"image": images})
         media = {name: _media_items(record.get(media_field(name)), record.get(name),
                                     "the record", name) for name in MODALITIES}
         unread = _unread_media_names(record, {*MODALITIES, *map(media_field, MODALITIES)})
