@@ -856,3 +856,13 @@ def test_a_texts_column_named_as_messages_and_the_cauldrons_exchanges(tmp_path, 
         {"role": "user", "content": "<image>\n<image>\nBoth?"},
         {"role": "assistant", "content": "B."}, {"role": "user", "content": "Again?"},
         {"role": "assistant", "content": "C."}]
+
+
+def test_a_conversation_with_a_null_texts_field_is_a_conversation(tmp_path, good_records,
+                                                                    capsys):
+    """A merged export's conversation rows carry the documents' ``texts`` as null (or []):
+    read as the conversations they are, not refused as a document beside a conversation."""
+    rows = [{**good_records[0], "texts": None}, {**good_records[1], "texts": []}]
+    code, _, err = cli_main(capsys, "build", write_jsonl(tmp_path / "merged.jsonl", rows), "-o",
+                            tmp_path / "out", "--no-progress")
+    assert code == 0 and read_json(tmp_path / "out" / "report.json")["samples_written"] == 2, err

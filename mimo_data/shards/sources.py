@@ -393,7 +393,7 @@ class ConversationFile:
         turns = conversation_turns(record)
         if turns is None and _are_exchanges(record.get("texts")):
             turns = record["texts"]         # the_cauldron's rows written as JSON(L)
-        elif "texts" in record:
+        elif record.get("texts") not in (None, []):     # (a merged export's null: absent)
             also = [k for k in ("conversations", "messages", "caption") if record.get(k)]
             if also:            # one of them would be left out without a word
                 raise RecordError("malformed_record", f"both a document's 'texts' and "
