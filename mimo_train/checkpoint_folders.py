@@ -139,6 +139,13 @@ def not_a_step(directory: str) -> None:
         raise CheckpointError(f"{directory} is a transformers model (config.json and its "
                               "weights), not a mimo checkpoint: give it as model.pretrained (a "
                               "whole VLM) or model.language.pretrained")
+    if not is_step_folder(directory):           # (a dataset, a run's folder above its own)
+        below = sorted(os.path.dirname(path) for path in
+                       glob.glob(os.path.join(directory, "*", STEP_NAME.replace(r"\d{7}",
+                                                                                "[0-9]" * 7))))
+        raise CheckpointError(f"{directory} holds no mimo checkpoint (no {META}, no step "
+                              "folders, no latest): give a run's checkpoint.dir or one of its "
+                              "step_NNNNNNN folders" + (f", e.g. {below[-1]}" if below else ""))
 
 
 def earlier_steps(directory: str) -> list[str]:

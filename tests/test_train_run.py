@@ -1509,10 +1509,16 @@ def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):
              f"'latest' naming one: give one step's folder, e.g. {unnamed / 'step_0000003'}"),
             (model, f"{model} is a transformers model (config.json and its weights), not a "
              "mimo checkpoint: give it as model.pretrained"),
-            (tmp_path / "nothing", f"checkpoint {tmp_path / 'nothing'}: no such directory")):
+            (tmp_path / "nothing", f"checkpoint {tmp_path / 'nothing'}: no such directory"),
+            # a run's own folder above its checkpoint.dir: that folder named, nothing "damaged"
+            # (nor anything to delete)
+            (tmp, f"{tmp} holds no mimo checkpoint (no meta.json, no step folders, no latest): "
+             "give a run's checkpoint.dir or one of its step_NNNNNNN folders, e.g. "),
+            (REPO / "configs", f"{REPO / 'configs'} holds no mimo checkpoint")):
         with pytest.raises(CheckpointError) as refused:
             check(str(given), None, None)
         assert str(refused.value).startswith(expected), refused.value
+        assert "damaged" not in str(refused.value) and "remove" not in str(refused.value)
 
 
 def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
