@@ -4,7 +4,8 @@ A tokenizer encodes a special token's text as that token wherever it appears (tr
 tokenizers too, unless ``split_special_tokens``): a conversation quoting ``<|im_end|>`` gets a
 turn end the template did not write, and an answer holding ``<|endoftext|>`` teaches the model
 to stop there. The tokens that delimit what mimo writes (the special tokens the chat template
-writes, and the tokenizer's BOS, EOS, pad and unknown tokens) are refused in a record's texts
+writes, the config's media wrap tokens, and the tokenizer's BOS, EOS, pad and unknown tokens)
+are refused in a record's texts
 (``literal_special_token``, naming the token and the message). Other special tokens are data
 (Qwen-VL's grounding ``<|box_start|>`` ... ``<|box_end|>``) and encode as their tokens. The
 media markers (``<image>``) are mimo's own and stay.
@@ -29,7 +30,7 @@ def delimiter_tokens(tokenizer, template: str | None, wraps: Iterable[str] = ())
     named = {str(getattr(tokenizer, name, None))
              for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
     written = {token for token in special if template is not None and token in template}
-    return (written | (named & special) | set(wraps)) - set(MARKERS.values())
+    return (written | (named & special) | (set(wraps) & special)) - set(MARKERS.values())
 
 
 class TypedTokens:
@@ -47,7 +48,7 @@ class TypedTokens:
             found = self._search(text) if isinstance(text, str) else None
             if found is not None:
                 return TextError("literal_special_token", f"{where} holds {found[0]!r}, a "
-                                 "token the template or tokenizer delimits texts with, typed as "
-                                 "text (it would be encoded as that token); remove or rewrite "
-                                 "it in the source data")
+                                 "token the template, the tokenizer or a medium's wrap "
+                                 "delimits texts with, typed as text (it would be encoded as "
+                                 "that token); remove or rewrite it in the source data")
         return None
