@@ -129,12 +129,12 @@ def _print_preprocessing(path: str) -> int:
           f"{seq_length} is mimo's default: set it to your samples' length (longer ones are "
           "dropped; mimo-inspect report counts them).")
     print(_modalities_note(data))
-    image = data["modalities"].get("image") or {}
-    if image.get("policy") == "dynamic" and image.get("max_pixels"):
-        side = image["patch_size"] * image.get("merge_size", 1)
-        tokens = image["max_pixels"] // (side * side)
+    image = PreprocessConfig.from_dict(data).modalities.get("image")
+    if image is not None and image.policy == "dynamic" and image.max_pixels:
+        side = image.patch_size * image.merge_size
+        tokens = image.max_pixels // (side * side)
         if tokens > seq_length:
-            print(f"# image: max_pixels {image['max_pixels']} is up to {tokens} tokens an image, "
+            print(f"# image: max_pixels {image.max_pixels} is up to {tokens} tokens an image, "
                   f"more than seq_length {seq_length}: a sample with such an image is dropped "
                   f"as too long; lower max_pixels (e.g. {seq_length // 2 * side * side}, "
                   f"{seq_length // 2} tokens at the most) or raise seq_length.")
