@@ -488,6 +488,7 @@ def test_dry_run_matches_the_decoding_loader_and_is_json(sources, loader_corpus,
     planned = dry_run([str(loader_corpus)], configs["image"], layout, 8, 2, seed=11, steps=1,
                       balance="tokens", packing=True)
     assert code == 0 and printed["ranks"] == planned["ranks"]
+    assert (printed["balance"], printed["packing"]) == ("tokens", True)
     assert any("sequences" in mb for entry in printed["ranks"] for step in entry["steps"] or ()
                for mb in step["micro_batches"])                    # packed, as asked
     # fan-in of dynamic-resolution images: each image DP rank gets its half of the language

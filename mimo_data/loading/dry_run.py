@@ -132,7 +132,8 @@ def dry_runs(datasets, preprocess_config, layout, global_batch_size: int,
                       "fingerprint": source.fingerprint, "layout": str(layout),
                       "colocated": layout.colocated, "world_size": world_size, "seed": seed,
                       "epoch": epoch, "global_batch_size": global_batch_size,
-                      "micro_batch_size": micro_batch_size, **(plan or {}), "ranks": ranks,
+                      "micro_batch_size": micro_batch_size, "balance": balance,
+                      "packing": packing, **(plan or {}), "ranks": ranks,
                       "checks": _checks(layout, ranks, source, seen)}
             for balance, (ranks, plan, seen) in results.items()}
 
@@ -230,7 +231,8 @@ def format_dry_run(result: dict) -> str:
     lines = [f"layout {result['layout']} ({'colocated' if result['colocated'] else 'non-colocated'}"
              f", {result['world_size']} ranks), global batch {result['global_batch_size']}, "
              f"micro batch {result['micro_batch_size']}, seed {result['seed']}, "
-             f"epoch {result['epoch']}"]
+             f"epoch {result['epoch']}, balance {result['balance']}"
+             f"{', packed' if result['packing'] else ''}"]
     if "steps_per_epoch" in result:
         samples = result["samples"]
         reasons = ", ".join(f"{reason} {entry['count']}"
@@ -255,6 +257,8 @@ def format_dry_run(result: dict) -> str:
             for mb in step["micro_batches"]:
                 samples = " ".join(f"{key}({tokens})" for key, tokens in
                                    zip(mb["keys"], mb["tokens"]))
+                if "sequences" in mb:           # packed: samples per sequence
+                    samples += f" | sequences of {mb['sequences']} samples"
                 others = "".join(f" | {modality} inputs: {' '.join(keys)}" for modality, keys
                                  in mb.get("encoder_keys", {}).items() if keys != mb["keys"])
                 lines.append(f"  step {step['step']} mb {mb['micro_batch']}: {samples}{others}")
