@@ -549,8 +549,8 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
                             "--workers", "0", "--no-progress")
     assert code == 0, err
     assert "layout energon" in err and "dataset.yaml's subflavors are not read" in err, err
-    assert "its field_map.alt names no field of a CaptioningSample (Energon refuses it): not " \
-        "read" in err, err
+    assert f"{folder / '.nv-meta' / 'dataset.yaml'}: field_map.alt names no field of a " \
+        "CaptioningSample (its fields: image, caption; Energon refuses it): not read" in err, err
     (folder / ".nv-meta" / "dataset.yaml").write_text(written)
     assert "warning" not in err, err        # the tars hold what energon prepare counted
     from mimo_data.shards.reader import ShardReader

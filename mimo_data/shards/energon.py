@@ -113,7 +113,9 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
     # (a VQAOCRSample has OCR fields beside these, which mimo does not read)
     extra = sorted(set(fields) - set(needed) - {"answer_weights"}) \
         if kind in ("CaptioningSample", "VQASample") else []
-    unread += [f"its field_map.{name} names no field of a {kind} (Energon refuses it): not read"
+    unread += [f"{where}: field_map.{name} names no field of a {kind} (its fields: "
+               f"{', '.join(needed)}{', answer_weights' if kind == 'VQASample' else ''}"
+               f"{meant([name], needed, 'field_map.')}; Energon refuses it): not read"
                for name in extra]
     if kind == "CaptioningSample":                # each field it needs is there (above)
         return MemberMap("pairs", media=fields["image"], text=fields["caption"]), unread
