@@ -187,6 +187,11 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
                  str(smollm2.export)]) == 2
     assert "exists" in capsys.readouterr().err
+    # a step's name in a checkpoint.dir: a later save of that step would replace the export
+    step_name = smollm2.checkpoint.parent / "step_0000099"
+    assert main(["--checkpoint", str(smollm2.checkpoint), "--output", str(step_name)]) == 2
+    assert f"--output {step_name} is a step's name in the checkpoint.dir " \
+        f"{smollm2.checkpoint.parent}" in capsys.readouterr().err and not step_name.exists()
     assert main(["--checkpoint", str(tmp_path / "nothing"), "--output",
                  str(tmp_path / "out")]) == 2
     assert "step_*" in capsys.readouterr().err

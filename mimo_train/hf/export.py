@@ -223,6 +223,12 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
         raise ExportError(f"--output {output} exists: remove it or choose another directory")
     directory = step_directory(checkpoint)
     parent = os.path.dirname(output)
+    from mimo_train.checkpoint_folders import LATEST, STEP_NAME, complete_steps
+    if re.fullmatch(STEP_NAME, os.path.basename(output)) and os.path.isdir(parent) and (
+            os.path.lexists(os.path.join(parent, LATEST)) or complete_steps(parent)):
+        raise ExportError(f"--output {output} is a step's name in the checkpoint.dir {parent}: "
+                          "a run saving that step there would replace the export; export "
+                          "to a folder of its own")
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as error:
