@@ -371,3 +371,16 @@ def test_one_training_step_on_documents_and_captions(built, encoders, ranks, tmp
     expected = sum(int(s.loss_mask.sum()) for s in preprocess_dataset(
         reader, _preprocessor(encoders), Tally()))
     assert record["tokens"] == expected and math.isfinite(record["loss"])
+
+
+def test_a_document_without_its_lists_says_which_and_what_it_is():
+    """A Parquet row whose ``images`` is null (or a JSON record's a string): said as what it
+    is, not as lists of different lengths; parallel lists are the document."""
+    from mimo_data.shards.records import RecordError, normalize_document
+    for texts, images, said in ((["A.", "B."], None, "a document's 'images' is missing"),
+                                (["A.", None], "moon.jpg", "a document's 'images' is a string"),
+                                ("A.", [None], "a document's 'texts' is a string")):
+        with pytest.raises(RecordError, match=said) as refused:
+            normalize_document(texts, images)
+        assert refused.value.reason == "malformed_record"
+    assert normalize_document(["A.", None], [None, "moon.jpg"]) == ("A.\n<image>", ["moon.jpg"])

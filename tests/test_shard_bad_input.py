@@ -626,8 +626,8 @@ def case_a_document_whose_images_are_no_list(tmp_path, assets):
     """A text-only document without 'images' (or one image given as a string): said as what
     'images' is, not as lists of different lengths."""
     return Case({"id": "doc", "texts": ["Hello there.", "More."]}, "malformed_record",
-                detail="a document's 'images' is missing: give a list parallel to 'texts', a "
-                "null at each text's position")
+                detail="a document's 'images' is missing: a document needs the lists 'texts' "
+                "and 'images', parallel")
 
 
 def case_duplicate_id(tmp_path, assets):

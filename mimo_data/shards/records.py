@@ -574,9 +574,13 @@ def normalize_document(texts, images) -> tuple[str, list]:
     both), ``invalid_utf8``, ``marker_mismatch`` (a marker typed in a text),
     ``empty_document`` (no text, or only whitespace).
     """
-    if not isinstance(texts, (list, tuple)) or not isinstance(images, (list, tuple)):
-        raise RecordError("malformed_record", "a document needs the lists 'texts' and "
-                          "'images' (parallel, one of the two non-null at each position)")
+    for name, value in (("texts", texts), ("images", images)):
+        if not isinstance(value, (list, tuple)):
+            raise RecordError("malformed_record", f"a document's {name!r} is " + (
+                "missing" if value is None else f"a {json_type(value)}") + ": a document "
+                "needs the lists 'texts' and 'images', parallel, one of the two non-null at "
+                "each position (a null in 'images' at each text's, and each image at a null "
+                "of 'texts')")
     if len(texts) != len(images):
         raise RecordError("malformed_record", f"'texts' has {len(texts)} positions and "
                           f"'images' {len(images)}; they must be parallel")

@@ -56,14 +56,15 @@ def location(path: str, kind: str, number: int) -> str:
 class RawRecord:
     """A record before normalization: ``media`` maps a modality name to its items' refs
     (paths, bytes or ``{bytes, path}``) in marker order (a document's ``image``: its
-    ``images`` list as given, parallel to ``text``). ``text``: a caption's, or a document's
-    ``texts`` list. ``audio_duration``: a speech manifest's ``duration`` of its clip, checked
-    against the probed one (``validate.check_audio_duration``). ``tools``: a conversation's
-    tool lists (``records.tool_lists``), where the record has them; ``system``: its own system
-    prompt (LLaMA-Factory's ShareGPT ``system``), where it has one."""
+    ``images`` as given, a list parallel to ``text`` or what ``normalize_document``
+    refuses). ``text``: a caption's, or a document's ``texts`` list. ``audio_duration``: a
+    speech manifest's ``duration`` of its clip, checked against the probed one
+    (``validate.check_audio_duration``). ``tools``: a conversation's tool lists
+    (``records.tool_lists``), where the record has them; ``system``: its own system prompt
+    (LLaMA-Factory's ShareGPT ``system``), where it has one."""
     id: str | None
     turns: object
-    media: dict[str, list] = field(default_factory=dict)
+    media: dict[str, Any] = field(default_factory=dict)
     kind: str = "conversation"
     text: object = None
     audio_duration: float | None = None
@@ -399,14 +400,8 @@ class ConversationFile:
                 raise RecordError("malformed_record", f"both a document's 'texts' and "
                                   f"{also[0]!r}: a record is one document, conversation or "
                                   "caption pair; give each its own record")
-            images = record.get("images")
-            if not isinstance(images, list):
-                raise RecordError("malformed_record", "a document's 'images' is " + (
-                    "missing" if images is None else f"a JSON {json_type(images)}") +
-                    ": give a list parallel to 'texts', a null at each text's position (and "
-                    "each image at a null of 'texts')")
             return RawRecord(id=_record_id(record.get("id")), turns=None, kind="document",
-                             text=record["texts"], media={"image": images})
+                             text=record["texts"], media={"image": record.get("images")})
         media = {name: _media_items(record.get(media_field(name)), record.get(name),
                                     "the record", name) for name in MODALITIES}
         unread = _unread_media_names(record, {*MODALITIES, *map(media_field, MODALITIES)})
@@ -607,7 +602,7 @@ class ParquetTable:
         if self.kind == "document":
             images = record.get(column["images"]) if column["images"] else None
             return RawRecord(id=record_id, turns=None, kind="document",
-                             text=record[column["texts"]], media={"image": _as_list(images)})
+                             text=record[column["texts"]], media={"image": images})
         media = {name: _media_items(record.get(column[media_field(name)]),
                                     record.get(self.single[name]) if name in self.single
                                     else None, "the row", name)
