@@ -866,3 +866,19 @@ def test_a_conversation_with_a_null_texts_field_is_a_conversation(tmp_path, good
     code, _, err = cli_main(capsys, "build", write_jsonl(tmp_path / "merged.jsonl", rows), "-o",
                             tmp_path / "out", "--no-progress")
     assert code == 0 and read_json(tmp_path / "out" / "report.json")["samples_written"] == 2, err
+
+
+def test_a_table_of_documents_and_conversations_asks_which_it_is(tmp_path, capsys):
+    """A merged table with a ``texts`` column (documents) beside ``messages``: refused with
+    the flags that say which its rows are, not read as documents of null texts."""
+    turns = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    pq.write_table(pa.table({"id": ["a", "b"], "texts": [None, None],
+                             "images": [None, None], "messages": [turns, turns]}),
+                   tmp_path / "merged.parquet")
+    code, _, err = cli_main(capsys, "build", tmp_path / "merged.parquet", "-o",
+                            tmp_path / "no", "--no-progress")
+    assert code == 2 and "the columns 'texts' (documents) and 'messages' (conversations): " \
+        "name the one its rows are with --texts-column or --messages-column" in err, err
+    code, _, err = cli_main(capsys, "build", tmp_path / "merged.parquet", "-o",
+                            tmp_path / "out", "--no-progress", "--messages-column", "messages")
+    assert code == 0 and read_json(tmp_path / "out" / "report.json")["samples_written"] == 2, err

@@ -558,6 +558,13 @@ class ParquetTable:
                               "--caption-column; another form (question/answer, alpaca's "
                               "instruction/output) is converted to messages first"
                               f"{hint}")
+        # documents beside conversations (none named: each found by its name), a merged
+        # table: which a row is cannot be told (a caption column beside either is metadata)
+        if found[:2] == ["texts", "conversation"]:
+            raise SourceError(f"{path}: the columns {self.columns['texts']!r} (documents) and "
+                              f"{self.columns['conversation']!r} (conversations): name the one "
+                              "its rows are with --texts-column or --messages-column (one table "
+                              "is one form; split a merged table first)")
         self.kind = {"texts": "document", "conversation": "conversation",
                      "caption": "caption"}[found[0]]
         if self.kind == "caption" and not self.unread and not any(
