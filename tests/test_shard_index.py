@@ -1884,3 +1884,16 @@ def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):
     with pytest.raises(DatasetError, match=r"then restore the shards or index the tars again "
                        r"where they are now \(`mimo-shard index`\)"):
         ShardReader(str(tmp_path / "idx")).check_shards()
+
+
+def test_a_vqa_ocr_sample_s_ocr_fields_are_said_as_not_read(tmp_path):
+    """A VQAOCRSample's OCR fields (its text, words) are Energon's, not mimo's: said."""
+    from mimo_data.shards import energon
+    (tmp_path / ".nv-meta").mkdir()
+    (tmp_path / ".nv-meta" / "dataset.yaml").write_text(
+        "sample_type: {__module__: megatron.energon, __class__: VQAOCRSample}\n"
+        "field_map: {image: jpg, context: 'json[q]', answers: 'json[a]', text: 'json[ocr]'}\n")
+    mapping, unread = energon.member_map(str(tmp_path))
+    assert mapping.layout == "vqa" and unread == [
+        f"{tmp_path / '.nv-meta' / 'dataset.yaml'}: field_map.text (a VQAOCRSample's OCR) is "
+        "not read: mimo trains the question and its answer"]

@@ -110,13 +110,15 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
                                        else f"its fields: {sorted(fields)}")
                           + f": set {', '.join(f'field_map.{m}' for m in missing)} in "
                           f"{DATASET_YAML}, or {OTHERWISE}")
-    # (a VQAOCRSample has OCR fields beside these, which mimo does not read)
-    extra = sorted(set(fields) - set(needed) - {"answer_weights"}) \
-        if kind in ("CaptioningSample", "VQASample") else []
-    unread += [f"{where}: field_map.{name} names no field of a {kind} (its fields: "
-               f"{', '.join(needed)}{', answer_weights' if kind == 'VQASample' else ''}"
-               f"{meant([name], needed, 'field_map.')}; Energon refuses it): not read"
-               for name in extra]
+    extra = sorted(set(fields) - set(needed) - {"answer_weights"})
+    if kind == "VQAOCRSample":      # its OCR fields beside the question's: mimo reads none
+        unread += [f"{where}: field_map.{name} (a VQAOCRSample's OCR) is not read: mimo "
+                   "trains the question and its answer" for name in extra]
+    else:
+        unread += [f"{where}: field_map.{name} names no field of a {kind} (its fields: "
+                   f"{', '.join(needed)}{', answer_weights' if kind == 'VQASample' else ''}"
+                   f"{meant([name], needed, 'field_map.')}; Energon refuses it): not read"
+                   for name in extra]
     if kind == "CaptioningSample":                # each field it needs is there (above)
         return MemberMap("pairs", media=fields["image"], text=fields["caption"]), unread
     if kind in ("VQASample", "VQAOCRSample"):
