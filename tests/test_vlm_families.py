@@ -268,6 +268,14 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path, ca
     assert f"--base {other} holds another model than the run trained (" in err and \
         err.rstrip().endswith("would mix the two: give --base the model the run started "
                               "from"), err
+    # another family's model as --base: said to be no move of the run's (its own paths are)
+    alien = MODELS / "tiny-llava"
+    code = main(["--checkpoint", str(moved), "--output", str(tmp_path / "m4"), "--base",
+                 str(alien)])
+    err = capsys.readouterr().err
+    assert "make the paths it names exist again" not in err and not (tmp_path / "m4").exists()
+    assert code == 1 or code == 2 and f"--base {alien} is not the run's model.pretrained, " \
+        "moved: give the folder it is now" in err, err
 
 
 def test_llava_finetune_trains_the_projector_with_the_tower_frozen(ranks, corpus, tmp_path):

@@ -443,11 +443,12 @@ def _run_plan(directory: str, base: str | None = None):
                                                saved)), meta
     except (OSError, ValueError, KeyError) as error:
         code = 2 if isinstance(error, TrainConfigError) else 1
-        raise ExportError(f"{path}: cannot rebuild the run's config ({error}); "
-                          + ("make the paths it names exist again (a model.pretrained moved "
-                             "since: give where it is now with --base DIR)" if code == 2 else
-                             "the checkpoint is damaged: export another step"),
-                          exit_code=code) from None
+        raise ExportError(f"{path}: cannot rebuild the run's config ({error}); " + (
+            f"--base {base} is not the run's model.pretrained, moved: give the folder it is "
+            "now (the same model, its files as the run read them)" if code == 2 and base
+            else "make the paths it names exist again (a model.pretrained moved since: give "
+            "where it is now with --base DIR)" if code == 2 else
+            "the checkpoint is damaged: export another step"), exit_code=code) from None
 
 
 def _moved(meta: dict, base: str, path: str) -> None:
