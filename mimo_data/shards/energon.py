@@ -56,12 +56,16 @@ def _yaml(root: str, name: str, storage_options: dict | None) -> dict:
     return loaded
 
 
+def _declared(dataset: dict, key: str) -> str:
+    """The sample class's ``__class__`` or ``__module__`` (also the older top level's)."""
+    declared = dataset.get("sample_type", dataset)
+    return str(declared.get(key, "")) if isinstance(declared, dict) else ""
+
+
 def sample_type(dataset: dict) -> str:
     """The sample class name (``CaptioningSample``), also from the older top-level
     ``__class__: CaptioningWebdataset``."""
-    declared = dataset.get("sample_type", dataset)
-    name = str(declared.get("__class__", "")) if isinstance(declared, dict) else ""
-    return name.replace("Webdataset", "Sample")
+    return _declared(dataset, "__class__").replace("Webdataset", "Sample")
 
 
 # the field_map fields of the sample types mimo indexes
@@ -77,11 +81,10 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
     mean something to Energon's task encoders and nothing to mimo (``subflavors``: which
     prompt or task a sample is for), and field_map entries of fields the sample type lacks."""
     dataset = _yaml(root, DATASET_YAML, storage_options)
-    declared = dataset.get("sample_type", dataset)
-    module = str(declared.get("__module__", "")) if isinstance(declared, dict) else ""
+    module = _declared(dataset, "__module__")
     if module and module.split(".")[:2] != ["megatron", "energon"]:
         raise SourceError(f"{storage.join(root, META, DATASET_YAML)}: sample type "
-                          f"{module}.{declared.get('__class__', '?')}, a class of your own "
+                          f"{module}.{_declared(dataset, '__class__') or '?'}, a class of your own "
                           "(not Energon's): its samples are made by code mimo does not run; "
                           f"{OTHERWISE}")
     unread = [f"its {DATASET_YAML}'s {key} are not read: Energon's task encoders choose "

@@ -416,14 +416,14 @@ class ConversationFile:
                               "such records alone, one per line, as NeMo writes it; give them "
                               "a file of their own (read as a manifest when its first record "
                               "is one, or with --input-format manifest)")
-        wrapped = [key for key, value in record.items() if isinstance(value, list) and value
-                   and all(isinstance(item, dict) for item in value)]
-        if turns is None and len(record) == 1 and wrapped:
-            raise RecordError("malformed_record", f"no conversation: the record wraps a list of "
-                              f"{len(record[wrapped[0]])} objects under {wrapped[0]!r} (a file "
-                              "of records inside an object?): give that list as the file, e.g. "
-                              f"jq '.{wrapped[0]}' FILE > records.json, or jq -c "
-                              f"'.{wrapped[0]}[]' FILE > records.jsonl")
+        if turns is None and len(record) == 1:        # (looked at only for no conversation)
+            [(key, value)] = record.items()
+            if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                raise RecordError("malformed_record", f"no conversation: the record wraps a "
+                                  f"list of {len(value)} objects under {key!r} (a file of "
+                                  "records inside an object?): give that list as the file, "
+                                  f"e.g. jq '.{key}' FILE > records.json, or jq -c "
+                                  f"'.{key}[]' FILE > records.jsonl")
         if turns is None:
             raise RecordError("malformed_record", f"no conversation: the record has the keys "
                               f"{sorted(record)[:12]}, and mimo reads 'messages' or "
@@ -698,8 +698,10 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
                           "WebDataset tars is indexed in place with mimo-shard index)")
     if not os.path.isfile(path):
         raise SourceError(f"{path}: input file {not_found(path)}")
-    _refuse_compressed(path)
-    _refuse_wide_text(path)
+    with open(path, "rb") as data:
+        head = data.read(6)
+    _refuse_compressed(path, head)
+    _refuse_wide_text(path, head)
     fmt = input_format
     suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl
     if fmt == "auto" and suffix not in (".parquet", ".json", *_LINES_SUFFIXES):
@@ -713,10 +715,9 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
         fmt = "manifest" if lines and _first_record_has(path, "audio_filepath") else "llava"
     if fmt == "parquet":
         return ParquetTable(path, media_root, columns)
-    with open(path, "rb") as data:
-        if data.read(len(_PARQUET_MAGIC)) == _PARQUET_MAGIC:
-            raise SourceError(f"{path}: a Parquet file, given --input-format {fmt}: give "
-                              "--input-format parquet, or leave it out")
+    if head.startswith(_PARQUET_MAGIC):
+        raise SourceError(f"{path}: a Parquet file, given --input-format {fmt}: give "
+                          "--input-format parquet, or leave it out")
     if fmt == "manifest":
         return SpeechManifest(path, instruction, media_root)
     if fmt == "llava":
@@ -739,10 +740,9 @@ _WIDE_BOMS = {codecs.BOM_UTF32_LE: "UTF-32", codecs.BOM_UTF32_BE: "UTF-32",
               codecs.BOM_UTF16_LE: "UTF-16", codecs.BOM_UTF16_BE: "UTF-16"}
 
 
-def _refuse_wide_text(path: str) -> None:
-    """SourceError for records written in UTF-16 or UTF-32 (its byte-order mark first)."""
-    with open(path, "rb") as data:
-        head = data.read(4)
+def _refuse_wide_text(path: str, head: bytes) -> None:
+    """SourceError for records written in UTF-16 or UTF-32 (its byte-order mark first:
+    ``head``, the file's first bytes)."""
     kind = next((name for bom, name in _WIDE_BOMS.items() if head.startswith(bom)), None)
     if kind:
         raise SourceError(f"{path}: {kind} text (its byte-order mark {head[:2].hex(' ')}, as "
@@ -751,11 +751,10 @@ def _refuse_wide_text(path: str) -> None:
                           f"{os.path.splitext(path)[0]}.utf8{os.path.splitext(path)[1]})")
 
 
-def _refuse_compressed(path: str) -> None:
-    """SourceError for a compressed input (``train.jsonl.gz``): its records are read by line
-    number and row from the file itself, so it is decompressed first."""
-    with open(path, "rb") as data:
-        head = data.read(6)
+def _refuse_compressed(path: str, head: bytes) -> None:
+    """SourceError for a compressed input (``train.jsonl.gz``; ``head``: the file's first
+    bytes): its records are read by line number and row from the file itself, so it is
+    decompressed first."""
     kind = next((name for magic, name in _COMPRESSED.items() if head.startswith(magic)), None)
     if kind:
         suffix = _SUFFIXES[kind]
