@@ -571,6 +571,23 @@ def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
     assert code == 2 and "error" in err
     code, _, err = run(capsys, "sample", clean, "--config", configs["default"], "--key", "nope")
     assert code == 2 and "nope" in err
+    # a key skipped by an index of tars read in place: why, and where several tars skipped
+    # one of that key, TAR/KEY asked for; a key given wider than the tars' is not theirs
+    listed = tmp_path / "skipped-keys"
+    shutil.copytree(clean, listed)
+    (listed / "skipped.jsonl").write_text("".join(
+        json.dumps({"location": location, "reason": "corrupt_image", "detail": "broken"}) + "\n"
+        for location in ("a.tar:90001", "b.tar:90001", "c.tar:90010")))
+    for key, said in (("90001", ": the build skipped records of key '90001' in 2 tars "
+                                "(a.tar:90001, b.tar:90001): give TAR/KEY"),
+                      ("b.tar/90001", ": the build skipped the record of id 'b.tar/90001' "
+                                      "(b.tar:90001: corrupt_image: broken)"),
+                      ("90010", ": the build skipped the record of id '90010' (c.tar:90010: "
+                                "corrupt_image: broken)"),
+                      ("0090010", "")):
+        code, _, err = run(capsys, "sample", listed, "--config", configs["default"], "--key", key)
+        assert code == 2 and re.search(rf"keys \S+ \.\. \S+\){re.escape(said)}$", err.strip()), \
+            (key, err)
     # a value of the wrong type: one line naming it, exit 2
     fractional = write_config(tmp_path / "fractional.yaml",
                               modalities={"image": {"merge_size": 2.5}, "audio": {}})

@@ -342,9 +342,8 @@ def _sample(args, config) -> int:
                      else "empty dataset")
             skipped = _skipped_record(args.directory, args.key)
             print(f"mimo-inspect sample: error: no sample with key (or one id) {args.key!r} in "
-                  f"{args.directory} ({len(reader)} samples, {known})" + (
-                      f": the build skipped the record of id {args.key!r} ({skipped})"
-                      if skipped else ""), file=sys.stderr)
+                  f"{args.directory} ({len(reader)} samples, {known})"
+                  + (f": {skipped}" if skipped else ""), file=sys.stderr)
             return 2
     elif args.random is not None:
         positions = sorted(random.Random(args.seed or 0).sample(range(len(reader)),
@@ -587,13 +586,15 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
 
 
 def _skipped_record(directory: str, record_id: str) -> str | None:
-    """Where and why the build of ``directory`` (a folder or a bucket's) skipped the record
-    of ``record_id``, as its skipped.jsonl says (read line by line): its id, or in an index
-    of tars read in place (``TAR:KEY`` locations) its key (``42`` for ``000000042``, as
-    ``_position_of`` takes it), or ``TAR/KEY``; None where it names no such record."""
+    """That the build of ``directory`` (a folder or a bucket's) skipped the record of
+    ``record_id``, where and why, as its skipped.jsonl says (read line by line): its id, or in
+    an index of tars read in place (``TAR:KEY`` locations) its key (``42`` for ``000000042``,
+    as ``_position_of`` takes it), or ``TAR/KEY``; where several tars skipped a record of
+    that key, it says so and asks for TAR/KEY; None where it names no such record."""
     from mimo_data.shards import storage
     from mimo_data.shards.format import SKIPPED_FILE
     listed = storage.join(directory, SKIPPED_FILE)
+    found: list[tuple[str, str]] = []   # (location, what is said of it)
     try:
         if not storage.exists(listed):
             return None
@@ -601,13 +602,20 @@ def _skipped_record(directory: str, record_id: str) -> str | None:
             for line in lines:
                 entry = json.loads(line)
                 tar, _, key = str(entry.get("location")).rpartition(":")
-                if entry.get("id") == record_id or tar.lower().endswith(".tar") and (
-                        record_id in (key, f"{tar}/{key}") or
-                        record_id.isdigit() and key.isdigit() and int(record_id) == int(key)):
-                    return f"{entry['location']}: {entry['reason']}: {entry['detail']}"
+                said = (f"the build skipped the record of id {record_id!r} ("
+                        f"{entry['location']}: {entry['reason']}: {entry['detail']})")
+                if entry.get("id") == record_id or record_id == f"{tar}/{key}":
+                    return said
+                if tar.lower().endswith(".tar") and (record_id == key or record_id.isdigit()
+                                                     and record_id.zfill(len(key)) == key):
+                    found.append((entry["location"], said))
     except (OSError, ValueError, KeyError, AttributeError):   # a damaged list: not said
         return None
-    return None
+    if len(found) > 1:
+        places = ", ".join(location for location, _ in found[:4])
+        return (f"the build skipped records of key {record_id!r} in {len(found)} tars ({places}"
+                f"{', ...' if len(found) > 4 else ''}): give TAR/KEY")
+    return found[0][1] if found else None
 
 
 def _layout_named(text: str) -> str:
