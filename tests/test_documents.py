@@ -274,12 +274,12 @@ def built(tmp_path_factory, corpus):
     pq.write_table(pa.table({
         "images": pa.array([[None, {"bytes": chelsea, "path": "c.jpg"}, None],
                             [None, {"bytes": None, "path": "astronaut.jpg"}],
-                            # positions a cleaning emptied: "" text, a struct of nulls
-                            [None, None, {"bytes": chelsea, "path": "e.jpg"},
+                            # positions a cleaning emptied: "" or blank text, a struct of nulls
+                            [None, None, None, {"bytes": chelsea, "path": "e.jpg"},
                              {"bytes": None, "path": None}]],
                            pa.list_(image)),
         "texts": pa.array([["Intro.", None, "Outro."], ["Only text then", None],
-                           ["Emptied pieces around it:", "", None, None]]),
+                           ["Emptied pieces around it:", "", " \n", None, None]]),
         "metadata": pa.array(["{}", "{}", "{}"]),
     }), root / "obelics.parquet")
     out = root / "dataset"
@@ -303,6 +303,12 @@ def test_build_writes_documents_and_captions_and_counts_the_bad_ones(built):
         "empty_caption": 1, "invalid_utf8": 1}
     assert report["skipped_by_reason"]["invalid_utf8"]["first"][0]["location"].endswith(
         "mixed.jsonl:11")
+    # a document's image it cannot read skips the document: how to keep the rest is said
+    [missing] = report["skipped_by_reason"]["missing_media"]["first"]
+    assert missing["detail"].endswith("absent.jpg: not found (paths are relative to the "
+                                      "input file's folder, or to --media-root); the whole "
+                                      "document is skipped: to keep the rest, set that image "
+                                      "to null in the record's 'images' list"), missing
 
 
 def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):

@@ -565,7 +565,7 @@ DOCUMENT_JOIN = "\n"
 
 def normalize_document(texts, images) -> tuple[str, list]:
     """An interleaved document (OBELICS / MINT-1T: parallel ``texts`` and ``images`` lists,
-    one of the two non-null at each position, an empty string or an image struct of nulls read
+    one of the two non-null at each position, a blank string or an image struct of nulls read
     as null) → its text with an ``<image>`` marker in each image's place (pieces joined by
     ``DOCUMENT_JOIN``) and its images' refs in order. A position with neither (a piece a
     cleaning emptied) holds nothing and is left out.
@@ -586,7 +586,8 @@ def normalize_document(texts, images) -> tuple[str, list]:
                           f"'images' {len(images)}; they must be parallel")
     pieces, refs = [], []
     for i, (text, image) in enumerate(zip(texts, images)):
-        text, image = (None if text == "" else text), (None if _no_image(image) else image)
+        text = None if isinstance(text, str) and not text.strip() else text
+        image = None if _no_image(image) else image
         if text is None and image is None:
             continue
         if text is not None and image is not None:

@@ -276,6 +276,11 @@ def _clip_of(frames: str | list[str], fps: float) -> bytes:
             from None
 
 
+# A document is one sample: one image it cannot read skips all of it; how to keep the rest.
+DOCUMENT_MEDIA_REMEDY = ("the whole document is skipped: to keep the rest, set that image to "
+                         "null in the record's 'images' list")
+
+
 def _where(modality: str, index: int, path: str | None) -> str:
     return f"{modality} {index}" + (f" ({path})" if path else "")
 
@@ -305,15 +310,21 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
         for modality in order:
             index = seen[modality]
             seen[modality] += 1
-            data, path, file, from_frames = _read_media(
-                refs[modality][index], source.media_root,
-                policy.frames_fps if modality == "video" else None, modality)
+            try:
+                data, path, file, from_frames = _read_media(
+                    refs[modality][index], source.media_root,
+                    policy.frames_fps if modality == "video" else None, modality)
+                try:
+                    meta = MODALITIES[modality].probe(data, policy.check,
+                                                      policy.max_image_pixels)
+                except MediaError as exc:
+                    raise RecordError.of_media(exc, _where(modality, index, path)) from None
+            except RecordError as exc:
+                if raw.kind != "document":
+                    raise
+                raise RecordError(exc.reason, f"{exc.detail}; {DOCUMENT_MEDIA_REMEDY}") from None
             if from_frames:
                 counts[VIDEOS_FROM_FRAMES] = counts.get(VIDEOS_FROM_FRAMES, 0) + 1
-            try:
-                meta = MODALITIES[modality].probe(data, policy.check, policy.max_image_pixels)
-            except MediaError as exc:
-                raise RecordError.of_media(exc, _where(modality, index, path)) from None
             if meta.get("rotation"):
                 counts[VIDEOS_ROTATED] = counts.get(VIDEOS_ROTATED, 0) + 1
             if modality == "audio" and raw.audio_duration is not None:
