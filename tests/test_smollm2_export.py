@@ -496,7 +496,7 @@ def generator(smollm2, one_thread):
     return Generator(str(smollm2.export), "cpu")
 
 
-def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys):
+def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys, tmp_path):
     from mimo_train.hf.generate import main
 
     capsys.readouterr()
@@ -506,6 +506,23 @@ def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys):
     answer = capsys.readouterr().out
     print(answer)
     assert "Paris" in answer
+    # the prompt from a file, as an editor writes it (its last newline not the prompt's)
+    capsys.readouterr()
+    (tmp_path / "prompt.txt").write_text("What is the capital of France?\n")
+    assert main(["--model", str(smollm2.export), "--prompt-file", str(tmp_path / "prompt.txt"),
+                 "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == answer
+    from mimo_train.hf.generate import _parser, _prompt_of
+    (tmp_path / "lines.txt").write_bytes(b"Line one.\r\nLine two.\r\n")   # Windows' lines
+    assert _prompt_of(str(tmp_path / "lines.txt"), _parser()) == "Line one.\nLine two."
+    (tmp_path / "blank.txt").write_text(" \n")
+    for flags, said in ((["--prompt-file", str(tmp_path / "blank.txt")], "holds no text"),
+                        (["--prompt-file", str(tmp_path / "gone.txt")], "cannot be read"),
+                        (["--prompt", "Hi", "--prompt-file", str(tmp_path / "prompt.txt")],
+                         "not allowed with argument")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--model", str(smollm2.export), *flags])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err, flags
 
 
 def test_an_image_fills_its_placeholders_and_changes_the_answer(generator, assets):

@@ -76,10 +76,14 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 answered, 1 a media file failed a check, 2 usage or config error.")
     parser.add_argument("--model", type=user_path, required=True, metavar="OUT",
                         help="directory written by mimo-export (holds manifest.json)")
-    parser.add_argument("--prompt", required=True, metavar="TEXT",
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT",
                         help="the user's message; <image>/<video>/<audio> markers place the "
                         "files, "
                         "files without a marker go in front of it")
+    prompt.add_argument("--prompt-file", type=user_path, metavar="FILE",
+                        help="the user's message read from FILE (UTF-8; - reads standard "
+                        "input), for a long or multi-line prompt; its last newline is left out")
     parser.add_argument("--image", type=user_path, action="append", default=[], metavar="PATH",
                         help="an image file (repeatable, in marker order)")
     parser.add_argument("--video", type=user_path, action="append", default=[], metavar="PATH",
@@ -131,6 +135,8 @@ def main(argv=None) -> int:
                      "T to sample)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p is {args.top_p}: it must be in (0, 1]")
+    if args.prompt_file is not None:
+        args.prompt = _prompt_of(args.prompt_file, parser)
     console.quiet_third_party()
     try:
         generator = Generator(args.model, args.device, args.dtype, base=args.base)
@@ -560,6 +566,23 @@ def _with_adapters(model, model_dir: str):
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
                                 category=FutureWarning)
         return PeftModel.from_pretrained(model, model_dir)
+
+
+def _prompt_of(path: str, parser: argparse.ArgumentParser) -> str:
+    """The prompt ``--prompt-file`` holds (standard input for ``-``), its last newline left
+    out (an editor's); a usage error where it cannot be read or holds no text."""
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"--prompt-file {path}: cannot be read as UTF-8 text ({exc})")
+    text = text.removesuffix("\n").removesuffix("\r")
+    if not text.strip():
+        parser.error(f"--prompt-file {path} holds no text: write the prompt in it")
+    return text
 
 
 def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
