@@ -4,6 +4,8 @@ mimo-generate) reads its arguments with alike: kept free of heavy imports, as th
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 
 
@@ -12,3 +14,36 @@ def user_path(value: str) -> str:
     ``--output=~/x`` and a quoted ``'~/x'`` as written (argparse's ``type`` of every path
     option; a URL or hub name is unchanged)."""
     return os.path.expanduser(value)
+
+
+def at_least(minimum: int):
+    """An argparse type: a whole number >= ``minimum`` (argparse's "invalid whole number
+    value" for one that is not a number)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is below {minimum}")
+        return value
+    parse.__name__ = "whole number"
+    return parse
+
+
+def positive(kind):
+    """An argparse type: a finite number of ``kind`` (int or float) > 0."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        if value == math.inf:
+            raise argparse.ArgumentTypeError(f"{text} is not finite")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
+    return value

@@ -162,6 +162,9 @@ def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):
                     ["verify", tmp_path]):
         code, err = _main(module, capsys, *command, "--workers", "-3")
         assert code == 2 and "argument --workers: -3 is below 0" in err, err
+        if command[0] != "verify":   # a pixel limit of 0 or less skipped every image
+            code, err = _main(module, capsys, *command, "--max-image-pixels", "-5")
+            assert code == 2 and "argument --max-image-pixels: -5 is below 1" in err, err
     code, err = _main(module, capsys, "build", tmp_path / "nope.jsonl", "-o", tmp_path / "b",
                       "--no-progress", "--workers", "0")
     assert code == 2 and "not found" in err

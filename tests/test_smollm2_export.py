@@ -519,7 +519,10 @@ def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys, tmp
     for flags, said in ((["--prompt-file", str(tmp_path / "blank.txt")], "holds no text"),
                         (["--prompt-file", str(tmp_path / "gone.txt")], "cannot be read"),
                         (["--prompt", "Hi", "--prompt-file", str(tmp_path / "prompt.txt")],
-                         "not allowed with argument")):
+                         "not allowed with argument"),
+                        *((["--prompt", "Hi", "--temperature", value], f"--temperature is "
+                           f"{value}: it must be a finite number > 0") for value in ("0.0", "nan",
+                                                                                   "inf"))):
         with pytest.raises(SystemExit) as exit_:
             main(["--model", str(smollm2.export), *flags])
         assert exit_.value.code == 2 and said in capsys.readouterr().err, flags

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -37,41 +36,11 @@ import time
 # Only the light checks table here: the tokenizer, torch and pyarrow are imported once the
 # arguments are parsed, so that --help answers at once.
 from mimo_data.inspect.checks import CHECKS, Thresholds
-from mimo_data.arguments import user_path
+from mimo_data.arguments import at_least, fraction, positive, user_path
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 
 _DEFAULTS = Thresholds()
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a count (>= 0)")
-    return value
-
-
-_fraction.__name__, _count.__name__ = "fraction", "count"    # argparse's "invalid fraction value"
-
-
-def _positive(kind):
-    """An argparse type: a number of ``kind`` > 0."""
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} is not > 0")
-        if value == math.inf:
-            raise argparse.ArgumentTypeError(f"{text} is not finite")
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
 
 
 def _given(text: str) -> str:
@@ -133,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                        "tar has it, in an index of --keys-per-tar), or the record id the build "
                        "kept")
     which.add_argument("--index", type=int, help="position in the dataset (default 0)")
-    which.add_argument("--random", type=_positive(int), metavar="N",
+    which.add_argument("--random", type=positive(int), metavar="N",
                        help="N samples picked at random")
     s.add_argument("--seed", type=int, help="seed of --random (default 0)")
     s.add_argument("--color", choices=("auto", "always", "never"), default="auto",
@@ -145,33 +114,33 @@ def _parser() -> argparse.ArgumentParser:
                    help="write the report as JSON ('-': stdout)")
     r.add_argument("--html", type=user_path, metavar="OUT",
                    help="write a self-contained HTML report")
-    r.add_argument("--limit", type=_positive(int), metavar="N", help="only the first N samples")
+    r.add_argument("--limit", type=positive(int), metavar="N", help="only the first N samples")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.add_argument("--recompute", action="store_true",
                    help="inspect every sample even when this dataset and config's saved tables "
                    "are there (a whole-dataset report saves them in DIR/.mimo-cache or "
                    "$MIMO_CACHE_DIR; the next one reads them and takes seconds)")
-    r.add_argument("--workers", type=_count, default=1, metavar="N",
-                   help="processes inspecting samples (default 1; each runs at about the "
-                   "metadata-only preprocessor's speed)")
-    r.add_argument("--gallery-per-check", type=_count, default=6, metavar="N",
+    r.add_argument("--workers", type=at_least(0), default=1, metavar="N",
+                   help="processes inspecting samples (0 or 1: in this one; default 1; "
+                   "each runs at about the metadata-only preprocessor's speed)")
+    r.add_argument("--gallery-per-check", type=at_least(0), default=6, metavar="N",
                    help="HTML: flagged samples shown per kind of problem (default 6)")
-    r.add_argument("--examples", type=_count, default=3, metavar="N",
+    r.add_argument("--examples", type=at_least(0), default=3, metavar="N",
                    help="HTML: kept samples with media shown as examples (default 3)")
     limits = r.add_argument_group("check limits (defaults: nothing tolerated)")
     for field_name, kind, what in CHECKS.values():
         default = getattr(_DEFAULTS, field_name)
         limits.add_argument("--" + field_name.replace("_", "-"),
-                            type=_fraction if kind == "fraction" else _count, default=default,
+                            type=fraction if kind == "fraction" else at_least(0), default=default,
                             metavar="F" if kind == "fraction" else "N",
                             help=f"most {what} allowed, as a "
                             f"{'fraction of the samples' if kind == 'fraction' else 'count'} "
                             f"(default {default})")
-    limits.add_argument("--min-trained-token-fraction", type=_fraction,
+    limits.add_argument("--min-trained-token-fraction", type=fraction,
                         default=_DEFAULTS.min_trained_token_fraction, metavar="F",
                         help="least fraction of the kept samples' real tokens that must be "
                         "trained (default 0: not checked)")
-    limits.add_argument("--max-skipped-records-fraction", type=_fraction,
+    limits.add_argument("--max-skipped-records-fraction", type=fraction,
                         default=_DEFAULTS.max_skipped_records_fraction, metavar="F",
                         help="most records `mimo-shard build` or `index` skipped (missing or "
                         "broken media, malformed records: the dataset's report.json; an "
@@ -188,11 +157,11 @@ def _parser() -> argparse.ArgumentParser:
                    "mimo-train's rules for that model first; with --gpus, this layout is "
                    "ranked too, or the report says why not: another number of GPUs, or its "
                    "check's error)")
-    p.add_argument("--global-batch-size", type=_positive(int), metavar="B",
+    p.add_argument("--global-batch-size", type=positive(int), metavar="B",
                    help="samples per optimizer step, over all data-parallel ranks (required "
                    "with DIR, unless a training YAML as --model gives its "
                    "train.global_batch_size; with --clip-seconds default 1)")
-    p.add_argument("--micro-batch-size", type=_positive(int), metavar="M",
+    p.add_argument("--micro-batch-size", type=positive(int), metavar="M",
                    help="samples per forward pass on one rank (required with DIR, unless a "
                    "training YAML as --model gives its train.micro_batch_size; with "
                    "--clip-seconds default 1)")
@@ -222,7 +191,7 @@ def _parser() -> argparse.ArgumentParser:
                    "its 'latest' names: what a resume loads) or one step_NNNNNNN folder")
     c.add_argument("--all", action="store_true", help="check every step folder of the "
                    "checkpoint.dir")
-    c.add_argument("--workers", type=_positive(int), default=4, metavar="N",
+    c.add_argument("--workers", type=positive(int), default=4, metavar="N",
                    help="threads hashing files (default 4)")
     c.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     for each in (s, r, p, c):
@@ -235,7 +204,7 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
     """The layout advisor's options (``plan --model M --gpus N``), handed to mimo_train's
     advisor as an ``advice.AdvisorRequest`` (mimo_data never imports mimo_train)."""
     a = p.add_argument_group("layout advisor (needs mimo_train; docs/inspect.md)")
-    a.add_argument("--gpus", type=_positive(int), metavar="N",
+    a.add_argument("--gpus", type=positive(int), metavar="N",
                    help="rank the layouts of the config's modules on N GPUs: memory per rank, "
                    "predicted step time, why")
     a.add_argument("--model", type=user_path, metavar="MODEL",
@@ -244,12 +213,12 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100",
                    help="GPU kind for memory and peak throughput (default h100: 79.6 GiB, 989 "
                    "dense bf16 TFLOP/s; h200 140.4 GiB, a100 80.0 GiB)")
-    a.add_argument("--gpu-memory-gib", type=_positive(float), metavar="GIB",
+    a.add_argument("--gpu-memory-gib", type=positive(float), metavar="GIB",
                    help="memory per GPU (default: the --gpu kind's)")
-    a.add_argument("--gpu-tflops", type=_positive(float), metavar="TF",
+    a.add_argument("--gpu-tflops", type=positive(float), metavar="TF",
                    help="peak dense TFLOP/s per GPU at the run's precision (default: the "
                    "--gpu kind's)")
-    a.add_argument("--gpus-per-node", type=_positive(int), default=8, metavar="G",
+    a.add_argument("--gpus-per-node", type=positive(int), default=8, metavar="G",
                    help="GPUs per node (default 8): a module's gradient reduction runs over the "
                    "node's links when its ranks fit in one node, else over the network")
     a.add_argument("--mfu", type=_utilisation, metavar="F",
@@ -262,9 +231,9 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
                    help="activation recompute of the candidates (default: any of the three)")
     a.add_argument("--no-sequence-parallel", action="store_true",
                    help="no sequence parallelism with tp > 1 (default: on where tp > 1)")
-    a.add_argument("--top", type=_positive(int), default=5, metavar="K",
+    a.add_argument("--top", type=positive(int), default=5, metavar="K",
                    help="layouts shown with their reasons (default 5)")
-    a.add_argument("--steps", type=_positive(int), default=8, metavar="S",
+    a.add_argument("--steps", type=positive(int), default=8, metavar="S",
                    help="global steps of the dataset read for the per-step work (default 8)")
     a.add_argument("--fewer-gpus", action="store_true",
                    help="also rank layouts on fewer than N GPUs, the others idle (on with "
@@ -275,11 +244,11 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
                    "rank each encode a token-balanced part of its micro-batch's media, where "
                    "the trainer allows it (default: as the training YAML says; with "
                    "--clip-seconds both whole and split)")
-    a.add_argument("--clip-seconds", type=_positive(float), metavar="S",
+    a.add_argument("--clip-seconds", type=positive(float), metavar="S",
                    help="no dataset: the work is samples of one clip of S seconds and a short "
                    "prompt (mimo_data/inspect/clip.py), every frame at --fps sampled, sized "
                    "by the preprocessing config's modalities.video")
-    a.add_argument("--fps", type=_positive(float), metavar="F",
+    a.add_argument("--fps", type=positive(float), metavar="F",
                    help="with --clip-seconds: frames a second the encoder sees (default: the "
                    "config's modalities.video.fps)")
     a.add_argument("--clip-size", type=_size, metavar="WxH",

@@ -447,7 +447,7 @@ def _parallel_stats(directory: str, inspector: SampleInspector, total: int, work
             _inspect_chunk, bounds, workers, 2 * workers, initializer=_init_worker,
             describe=lambda bound: f"samples {bound[0]} to {bound[1] - 1}",
             initargs=(directory, inspector.config, cache_tokens, cache_dir),
-            advice="report again with fewer --workers, or --workers 1 to inspect in this "
+            advice="report again with fewer --workers, or --workers 0 to inspect in this "
             "process and see the failure"):
         yield from stats_list
 

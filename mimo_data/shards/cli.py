@@ -20,7 +20,7 @@ import argparse
 import re
 import sys
 
-from mimo_data.arguments import user_path
+from mimo_data.arguments import at_least, user_path
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
@@ -33,17 +33,6 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 # The registered modalities (mimo_data.modalities.MODALITIES, which imports torch): one
 # --NAME-column option each.
 MEDIA_COLUMNS = ("image", "audio", "video")
-
-
-def _at_least(minimum: int):
-    """An argparse type: a whole number >= ``minimum``."""
-    def parse(text: str) -> int:
-        value = int(text)                   # not a number: argparse's "invalid ... value"
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text} is below {minimum}")
-        return value
-    parse.__name__ = "whole number"
-    return parse
 
 
 def _byte_size(text: str) -> int:
@@ -76,11 +65,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="dataset directory or URL (s3://bucket/prefix, any fsspec URL) to create")
     b.add_argument("--name", type=_shard_name, default="data",
                    help="shard name prefix (default: data)")
-    b.add_argument("--max-samples-per-shard", type=_at_least(1), default=5000,
+    b.add_argument("--max-samples-per-shard", type=at_least(1), default=5000,
                    help="start a new shard after this many samples (default 5000)")
     b.add_argument("--max-shard-bytes", type=_byte_size, default=1 << 30,
                    help="e.g. 512MB or 1.5GB, KB/MB/GB being powers of 1024 (default 1GB)")
-    b.add_argument("--workers", type=_at_least(0), default=1,
+    b.add_argument("--workers", type=at_least(0), default=1,
                    help="processes validating media while the main one writes (0: all in one; "
                    "default 1)")
     b.add_argument("--shuffle", action="store_true", help="write records in a seeded order")
@@ -103,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
                        f"{'s' if role in MEDIA_COLUMNS else ''}"
                        + (" (interleaved documents)" if role == "texts" else
                           " (caption pairs)" if role == "caption" else ""))
-    b.add_argument("--max-image-pixels", type=int,
+    b.add_argument("--max-image-pixels", type=at_least(1),
                    help="skip images, and clips of frames, with more pixels (decompression "
                    "bombs; default: Pillow's limit, 89478485)")
     b.add_argument("--check", choices=("decode", "header"), default="decode",
@@ -140,12 +129,12 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--json-member", default="json", help="the JSON member: a conversation's, "
                    "a document's, or a pair's metadata kept in each record's source (default json)")
     x.add_argument("--name", help="the dataset's name (default: the tars' folder name)")
-    x.add_argument("--workers", type=_at_least(0), default=1,
+    x.add_argument("--workers", type=at_least(0), default=1,
                    help="processes indexing tars in parallel (0: in this one; default 1)")
     x.add_argument("--check", choices=("decode", "header"), default="decode",
                    help="decode: walk all media data (default); header: headers and stream "
                    "completeness only")
-    x.add_argument("--max-image-pixels", type=int,
+    x.add_argument("--max-image-pixels", type=at_least(1),
                    help="skip images, and clips of frames, with more pixels (default: "
                    "Pillow's limit, 89478485)")
     x.add_argument("--markers-first", action="store_true",
@@ -173,8 +162,9 @@ def _parser() -> argparse.ArgumentParser:
     v = commands.add_parser("verify", help="re-read and check every shard against the index")
     v.add_argument("directory", type=user_path,
                    help="dataset directory or URL written by mimo-shard build")
-    v.add_argument("--workers", type=_at_least(0), default=1,
-                   help="processes checking shards in parallel (default 1)")
+    v.add_argument("--workers", type=at_least(0), default=1,
+                   help="processes checking shards in parallel (0 or 1: in this one; "
+                   "default 1)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     c = commands.add_parser(

@@ -303,7 +303,7 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
     # a few shards' rows in flight, not the table's
     pooled = ordered_map(_verify_one, jobs, workers, 2 * workers,
                          describe=lambda job: f"shard {job[1]['name']}",
-                         advice="verify again with fewer --workers, or --workers 1 to verify in "
+                         advice="verify again with fewer --workers, or --workers 0 to verify in "
                          "this process and see the failure") if workers > 1 else None
     try:
         for shard_problems in pooled or map(_verify_one, jobs):

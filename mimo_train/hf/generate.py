@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -124,9 +125,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens is {args.max_new_tokens}: it must be >= 1")
-    if args.temperature is not None and args.temperature <= 0:
-        parser.error(f"--temperature is {args.temperature}: it must be > 0 (leave it out for "
-                     "greedy decoding)")
+    if args.temperature is not None and not 0 < args.temperature < math.inf:   # nan too
+        parser.error(f"--temperature is {args.temperature}: it must be a finite number > 0 "
+                     "(leave it out for greedy decoding)")
     if args.temperature is None and (args.top_p is not None or args.seed is not None):
         given = " and ".join(flag for flag, value in (("--top-p", args.top_p),
                                                       ("--seed", args.seed)) if value is not None)
