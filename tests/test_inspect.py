@@ -578,11 +578,11 @@ def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
     (listed / "skipped.jsonl").write_text("".join(
         json.dumps({"location": location, "reason": "corrupt_image", "detail": "broken"}) + "\n"
         for location in ("a.tar:90001", "b.tar:90001", "c.tar:90010")))
-    for key, said in (("90001", ": the build skipped records of key '90001' in 2 tars "
+    for key, said in (("90001", ": the index skipped samples of key '90001' in 2 tars "
                                 "(a.tar:90001, b.tar:90001): give TAR/KEY"),
-                      ("b.tar/90001", ": the build skipped the record of id 'b.tar/90001' "
-                                      "(b.tar:90001: corrupt_image: broken)"),
-                      ("90010", ": the build skipped the record of id '90010' (c.tar:90010: "
+                      ("b.tar/90001", ": the index skipped the sample b.tar/90001 (b.tar:90001: "
+                                      "corrupt_image: broken)"),
+                      ("90010", ": the index skipped the sample c.tar/90010 (c.tar:90010: "
                                 "corrupt_image: broken)"),
                       ("0090010", "")):
         code, _, err = run(capsys, "sample", listed, "--config", configs["default"], "--key", key)

@@ -210,8 +210,8 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
         with contextlib.redirect_stderr(err):
             code = inspect_main(["sample", str(pairs.out), "--key", key, "--config",
                                  str(config)])
-        assert code == 2 and f": the build skipped the record of id {key!r} (pairs-000002.tar:" \
-            "000000010: corrupt_image: " in err.getvalue(), (key, err.getvalue())
+        assert code == 2 and ": the index skipped the sample pairs-000002.tar/000000010 (pairs-" \
+            "000002.tar:000000010: corrupt_image: " in err.getvalue(), (key, err.getvalue())
 
 
 def test_tables_derived_on_first_use_hold_the_indexs_parquet_and_a_full_cache_is_skipped(

@@ -555,8 +555,8 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
 
 
 def _skipped_record(directory: str, record_id: str) -> str | None:
-    """That the build of ``directory`` (a folder or a bucket's) skipped the record of
-    ``record_id``, where and why, as its skipped.jsonl says (read line by line): its id, or in
+    """That the build or index of ``directory`` (a folder or a bucket's) skipped the record
+    of ``record_id``, where and why, as its skipped.jsonl says (read line by line): its id, or in
     an index of tars read in place (``TAR:KEY`` locations) its key (``42`` for ``000000042``,
     as ``_position_of`` takes it), or ``TAR/KEY``; where several tars skipped a record of
     that key, it says so and asks for TAR/KEY; None where it names no such record."""
@@ -571,19 +571,21 @@ def _skipped_record(directory: str, record_id: str) -> str | None:
             for line in lines:
                 entry = json.loads(line)
                 tar, _, key = str(entry.get("location")).rpartition(":")
-                said = (f"the build skipped the record of id {record_id!r} ("
-                        f"{entry['location']}: {entry['reason']}: {entry['detail']})")
+                in_place = tar.lower().endswith(".tar")
+                said = (f"the index skipped the sample {tar}/{key}" if in_place else
+                        f"the build skipped the record of id {record_id!r}") + (
+                    f" ({entry['location']}: {entry['reason']}: {entry['detail']})")
                 if entry.get("id") == record_id or record_id == f"{tar}/{key}":
                     return said
-                if tar.lower().endswith(".tar") and (record_id == key or record_id.isdigit()
-                                                     and record_id.zfill(len(key)) == key):
+                if in_place and (record_id == key or record_id.isdigit()
+                                 and record_id.zfill(len(key)) == key):
                     found.append((entry["location"], said))
     except (OSError, ValueError, KeyError, AttributeError):   # a damaged list: not said
         return None
     if len(found) > 1:
         places = ", ".join(location for location, _ in found[:4])
-        return (f"the build skipped records of key {record_id!r} in {len(found)} tars ({places}"
-                f"{', ...' if len(found) > 4 else ''}): give TAR/KEY")
+        return (f"the index skipped samples of key {record_id!r} in {len(found)} tars "
+                f"({places}{', ...' if len(found) > 4 else ''}): give TAR/KEY")
     return found[0][1] if found else None
 
 
