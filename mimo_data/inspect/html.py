@@ -13,6 +13,7 @@ import base64
 import html
 import io
 
+from mimo_data.files import write_atomic
 from mimo_data.modalities import MODALITIES
 from mimo_data.inspect.report import cut_line, eos_line, inspect_position, kinds_line
 from mimo_data.inspect.sample import sample_problems, token_view
@@ -281,7 +282,6 @@ def write_html(report: dict, gallery: Gallery, directory: str, inspector: Sample
 <script>{_SCRIPT}</script>
 </body></html>
 """
-    with open(path, "w", encoding="utf-8") as out:
-        out.write(page)
+    write_atomic(path, page.encode("utf-8"))
     return damaged
 

@@ -67,6 +67,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from mimo_data.files import write_atomic
 from mimo_data.inspect.checks import CHECKS, Thresholds
 from mimo_data.inspect.stats import IndexTable, SampleInspector, SampleStats
 from mimo_data.loading.token_table import (Rows, TokenTable, assemble, table_key, table_labels,
@@ -744,6 +745,5 @@ def failure_lines(report: dict) -> list[str]:
 
 
 def write_json(report: dict, path: str) -> None:
-    with open(path, "w") as out:
-        json.dump(report, out, indent=2)
-        out.write("\n")
+    """``report`` as indented JSON at ``path``, whole or not at all (a launch gate reads it)."""
+    write_atomic(path, (json.dumps(report, indent=2) + "\n").encode())
