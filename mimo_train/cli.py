@@ -10,7 +10,8 @@ Exit codes (of each rank; torchrun itself exits non-zero when any rank does):
   does not fit the world, a checkpoint saved for another model or global batch size;
 - 128 + the signal's number (143 SIGTERM, 138 SIGUSR1): stopped by one of
   ``train.exit_signals`` after a step, the checkpoint of that step saved (with
-  ``checkpoint.dir``); run the same command again to resume.
+  ``checkpoint.dir``); run the same command again to resume; 130 for a Ctrl-C that is not one
+  of them: stopped at once, no checkpoint saved.
 
 A start-up failure is printed once, by rank 0, naming the ranks that failed; every rank exits.
 Nothing heavy is imported before the arguments are parsed: ``--help`` answers at once.
@@ -37,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mimo-train", description="Train a MIMO model (megatron-core MimoModel) on shards "
         "from mimo-shard build; run one process per rank under torchrun.",
-        epilog="Exit codes: 0 done, 1 a check or the data failed, 2 usage or config error, "
-        "128 + N stopped by signal N (train.exit_signals) with a checkpoint. "
+        epilog="Exit codes: 0 done, 1 a check or the data failed (or more non-finite steps "
+        "than train.max_skipped_steps), 2 usage or config error, 128 + N stopped by signal N "
+        "(train.exit_signals) with a checkpoint, 130 Ctrl-C without one. "
         "Relative paths in the YAML are taken from its folder, those in overrides from the "
         "current directory.")
     parser.add_argument("--config", type=user_path, metavar="YAML",
@@ -68,9 +70,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         # a terminal's Ctrl-C reaches every rank: one line, from rank 0, and no traceback
         if console.rank() == 0:
-            print(f"{console.PREFIX}interrupted (SIGINT): stopped without a checkpoint; the "
-                  "last one saved resumes (with SIGINT in train.exit_signals a run saves one "
-                  "first)", file=sys.stderr, flush=True)
+            print(f"{console.PREFIX}interrupted (SIGINT): stopped without saving a "
+                  "checkpoint; a rerun resumes from the last one saved, where there is one, "
+                  "else starts over (with SIGINT in train.exit_signals a run saves one first)",
+                  file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
 
 

@@ -1088,7 +1088,7 @@ def test_a_rank_that_dies_is_reported_once(setup, how):
         # each record was written as it was read: the run's death keeps step 1's
         assert [r["step"] for r in records] == [1]
         messages = re.findall(r"^mimo-train: interrupted .*$", output, re.MULTILINE)
-        assert len(messages) == 1 and "stopped without a checkpoint" in messages[0], output
+        assert len(messages) == 1 and "stopped without saving a checkpoint" in messages[0], output
         return
     messages = re.findall(r"^mimo-train: training stopped in .*$", output, re.MULTILINE)
     assert len(messages) == 1, output
