@@ -102,6 +102,18 @@ def test_imports_run_down_the_layers():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+def test_the_package_map_names_every_module():
+    """docs/architecture.md's map names each module of both packages (a new one is added to
+    it where it is added to the tree)."""
+    import re
+    text = (REPO / "docs" / "architecture.md").read_text()
+    unnamed = [str(path.relative_to(REPO)) for package in ("mimo_data", "mimo_train")
+               for path in sorted((REPO / package).rglob("*.py"))
+               if path.stem not in ("__init__", "__main__")
+               and not re.search(rf"\b{re.escape(path.stem)}\b", text)]
+    assert not unnamed, f"docs/architecture.md does not name: {', '.join(unnamed)}"
+
+
 def test_the_checks_see_a_circle_and_an_upward_import():
     """The checks above fail on what they look for (a circle of two, an import upwards)."""
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
