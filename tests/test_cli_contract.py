@@ -175,6 +175,10 @@ def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):
     from mimo_data.shards.cli import _byte_size
     assert [_byte_size(t) for t in ("500000", "512MB", "1.5GB", "0.5 KiB", "2g")] == [
         500000, 512 * 2**20, 3 * 2**29, 512, 2 * 2**30]
+    # and said in the same units (info, cache, a full disk, mimo-inspect checkpoint), named so
+    from mimo_data.stats import size_text
+    assert [size_text(_byte_size(t)) for t in ("1000", "1.5GB", "512MB", "0.5 KiB")] == [
+        "1,000 bytes", "1.5 GiB", "512.0 MiB", "512 bytes"]
 
 
 def test_shard_failed_data_and_checks_exit_1(capsys, tmp_path, good_records):

@@ -301,6 +301,7 @@ def _cache(args) -> int:
 
     from mimo_data.shards.cache_entries import entries, remove
     from mimo_data.shards.storage import is_remote
+    from mimo_data.stats import size_text
     listed = entries(args.directory, args.cache_dir)
     superseded = [entry for entry in listed if entry.superseded]
     freed = remove(superseded) if args.remove else 0
@@ -310,11 +311,11 @@ def _cache(args) -> int:
         return 0
     for entry in listed:
         about = f" ({entry.about})" if entry.about else ""
-        print(f"{entry.size / 1e6:9.2f} MB  {entry.kind:8} {entry.status}{about}\n"
+        print(f"{size_text(entry.size):>11}  {entry.kind:8} {entry.status}{about}\n"
               f"             {entry.path}")
     total = sum(entry.size for entry in superseded)
     print(f"mimo-shard cache: {len(listed)} file(s), {len(superseded)} superseded "
-          f"({total / 1e6:.2f} MB)" + (f", removed ({freed / 1e6:.2f} MB freed)"
+          f"({size_text(total)})" + (f", removed ({size_text(freed)} freed)"
                                        if args.remove else
                                        "; --remove deletes them" if superseded else "")
           + ("; the local cache's (the bucket's own .mimo-cache/ holds the build's tables, "

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
 from mimo_data.shards.index import read_index, read_samples
+from mimo_data.stats import size_text
 from mimo_data.shards.format import (FAILED_REPORT_FILE, REPORT_FILE, STAGING_DIR,
                                     summary_column)
 from mimo_data.stats import summary
@@ -106,7 +107,7 @@ def format_info(info: dict) -> str:
         f"name      {info['name']}" + ("" if "shard_root" in info else
                                          " (--name: its shards' prefix)") +
         f"  ({info['directory']})",
-        f"samples   {info['samples']}  in {info['shards']} shard(s), {info['bytes'] / 1e6:.1f} MB",
+        f"samples   {info['samples']}  in {info['shards']} shard(s), {size_text(info['bytes'])}",
         *([f"tars      {info['shard_root']} (indexed where they are; mimo-shard verify checks "
            "they are there as indexed)"] if "shard_root" in info else []),
         f"{'indexed' if 'shard_root' in info else 'build':<9} {report['records_read']} "

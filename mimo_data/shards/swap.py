@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from mimo_data.files import write_atomic
+from mimo_data.stats import size_text
 from mimo_data.shards import storage
 from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, FAILED_SKIPPED_FILE,
                                      INDEX_FILE, REPORT_FILE, SKIPPED_FILE, STAGING_DIR)
@@ -196,7 +197,7 @@ def no_room(exc: OSError, output: str, old: list[str]) -> str:
         where = os.path.dirname(where)      # a folder the run made, removed again
     try:
         disk = os.statvfs(where)
-        free = (f": {_size(disk.f_bavail * disk.f_frsize)} and {disk.f_favail:,} files free "
+        free = (f": {size_text(disk.f_bavail * disk.f_frsize)} and {disk.f_favail:,} files free "
                 "there now")
     except OSError:
         free = ""
@@ -208,12 +209,6 @@ def no_room(exc: OSError, output: str, old: list[str]) -> str:
             "; free some space, or give an --output on a disk with room")
 
 
-def _size(size: float) -> str:
-    for unit in ("bytes", "KB", "MB"):
-        if size < 1000:
-            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} GB"
 
 
 def _leftover(name: str) -> bool:

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, complete_steps,
                                            earlier_steps, is_step_folder, latest, meta_of,
                                            not_a_step, resume_point)
+from mimo_data.stats import size_text
 from mimo_train.components import checkpoint_owner, digests
 from mimo_train.errors import CheckpointError, IntegrityError
 
@@ -173,17 +174,6 @@ def _summary(meta: dict) -> str:
     return "; ".join(parts)
 
 
-def _size(count: int) -> str:
-    if count < 1024:
-        return f"{count:,} bytes"
-    scaled, unit = count / 1024, "KiB"
-    for larger in ("MiB", "GiB", "TiB"):
-        if scaled < 1024:
-            break
-        scaled, unit = scaled / 1024, larger
-    return f"{scaled:.1f} {unit}"
-
-
 def main(args: argparse.Namespace) -> int:
     """The subcommand (``args``: ``directory``, ``all``, ``workers``, ``json``): 0 when every
     checkpoint checked is intact and a resume would load the step ``latest`` names, 1 when
@@ -235,7 +225,7 @@ def _print(found: Findings) -> None:
     for report in found.reports:
         if report.intact:
             print(f"{_name(found, report)}: intact: {report.files} files, "
-                  f"{_size(report.bytes)}, every SHA-256 matches {MANIFEST} "
+                  f"{size_text(report.bytes)}, every SHA-256 matches {MANIFEST} "
                   f"({report.seconds:.1f} s)")
         else:
             print(f"{_name(found, report)}: {'DAMAGED' if report.complete else 'INCOMPLETE'}: "
