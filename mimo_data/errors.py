@@ -1,5 +1,5 @@
-"""Errors shared by every subpackage: a config value that cannot work, and the hint that
-names the key a misspelt one most likely meant."""
+"""Errors shared by every subpackage: a config value that cannot work, the hint that names
+the key a misspelt one most likely meant, and names listed in a message as people write them."""
 
 from __future__ import annotations
 
@@ -26,3 +26,8 @@ def meant(unknown: Iterable[str], known: Iterable[str], prefix: str = "") -> str
         return f" (did you mean {guesses[0][1]}?)"
     said = ", ".join(f"{name} -> {close}" for name, close in guesses)
     return f" (did you mean {said}?)" if guesses else ""
+
+
+def listed(items: Iterable) -> str:
+    """``items`` in a message as words, not Python's repr: ``a, b, c`` (``none`` for none)."""
+    return ", ".join(str(item) for item in items) or "none"

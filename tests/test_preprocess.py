@@ -903,11 +903,11 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
     text = (REPO / "configs" / "preprocess.yaml").read_text()
     given = tmp_path / "preprocess.yaml"
     for old, new, said in (
-            ("seq_length:", "seq_lenght:", "unknown top-level key(s) ['seq_lenght'] "
-             "(did you mean seq_length?); known: ["),
-            ("max_pixels:", "max_pixel:", "modalities.image: unknown key(s) ['max_pixel'] "
+            ("seq_length:", "seq_lenght:", "unknown top-level key(s) seq_lenght "
+             "(did you mean seq_length?); known: append_eos, "),
+            ("max_pixels:", "max_pixel:", "modalities.image: unknown key(s) max_pixel "
              "(did you mean max_pixels?)"),
-            ("seq_length:", "zzz: 1\nseq_length:", "unknown top-level key(s) ['zzz']; known")):
+            ("seq_length:", "zzz: 1\nseq_length:", "unknown top-level key(s) zzz; known")):
         assert old in text
         given.write_text(text.replace(old, new, 1).replace(
             "../assets", str(REPO / "assets")))

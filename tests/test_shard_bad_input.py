@@ -311,7 +311,7 @@ def case_alpaca_record(tmp_path, assets):
     record's keys and the forms mimo reads."""
     return Case({"id": "bad", "instruction": "<image>Describe.", "input": "",
                  "output": "A cat.", "images": [str(assets["jpeg"])]}, "malformed_record",
-                detail="the keys ['id', 'images', 'input', 'instruction', 'output']")
+                detail="the keys 'id', 'images', 'input', 'instruction', 'output', and")
 
 
 def case_marker_in_a_tool_call(tmp_path, assets):
@@ -532,7 +532,7 @@ def case_a_turn_whose_value_is_null(tmp_path, assets):
     """An export's null answer: said to be null, not taken for a key that is not there."""
     record = {"id": "bad", "conversations": [{"from": "human", "value": "Hi?"},
                                              {"from": "gpt", "value": None}]}
-    return Case(record, "malformed_record", detail="turn 1 has keys ['from'] ('value' null)")
+    return Case(record, "malformed_record", detail="turn 1 has keys from ('value' null)")
 
 
 def _parts_record(*media_parts) -> dict:

@@ -266,7 +266,7 @@ def test_parquet_column_flags(capsys, tmp_path, assets):
 
     # Without the flags the conversation column cannot be found: the whole input is refused.
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "refused", "--no-progress")
-    assert code == 2 and "(columns are ['clips', 'dialog', 'id', 'pics', 'uid']): name the " \
+    assert code == 2 and "(columns are clips, dialog, id, pics, uid): name the " \
         "column holding them with --messages-column, --texts-column or --caption-column; " \
         "another form (question/answer" in err, err
     assert not (tmp_path / "refused").exists()
@@ -384,7 +384,7 @@ def test_a_hub_speech_table_is_told_which_flags_read_it(capsys, tmp_path, assets
                             tmp_path / "renamed", "--no-progress", "--caption-column",
                             "transcription")
     assert code == 2 and "caption pairs (column 'transcription') and no column of their " \
-        "media found (columns are ['gender', 'id', 'path', 'recording', 'transcription']): " \
+        "media found (columns are gender, id, path, recording, transcription): " \
         "name it with --image-column (or --audio-column" in err, err
     # a row whose audio is null: skipped, saying which field is empty and what to do
     pq.write_table(pa.concat_tables([table, pa.table({
@@ -499,8 +499,8 @@ def test_a_record_of_no_form_mimo_reads_says_what_it_is(tmp_path, corpus):
                                  "conversation (in a JSON list, among conversations, or with "
                                  "--input-format llava): a manifest is a JSONL file of such "
                                  "records alone")
-    assert details[1].startswith("no conversation: the record has the keys ['input', "
-                                 "'instruction', 'output'], and mimo reads 'messages' or")
+    assert details[1].startswith("no conversation: the record has the keys 'input', "
+                                 "'instruction', 'output', and mimo reads 'messages' or")
     assert "MMC4" not in details[1]             # MMC4's form: how to write it as a document
     assert details[2].endswith("video QA's q/a; MMC4's text_list and image_info: 'texts' with "
                                "each sentence, a null before it for each image whose "

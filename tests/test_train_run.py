@@ -1560,8 +1560,9 @@ def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):
         with pytest.raises(CheckpointError) as refused:
             check(str(step), model, 4, freeze)
         assert str(refused.value).startswith(
-            f"checkpoint {step} was saved by a run with model.freeze ['image'], this run has "
-            f"{freeze}: image would train (or be adapted), and a frozen part has no optimizer "
+            f"checkpoint {step} was saved by a run with model.freeze image, this run has "
+            f"{', '.join(freeze) or 'none'}: "
+            "image would train (or be adapted), and a frozen part has no optimizer "
             "state to resume")
         assert f"model.init_from={step}" in str(refused.value)
     assert check(str(step), model, 4, ["image"])["step"] == 1

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import yaml
 
+from mimo_data.errors import listed
 from mimo_data.files import load_yaml
 from mimo_data.modalities import MODALITIES as REGISTERED
 
@@ -334,8 +335,8 @@ class Layout:
         "modalities": {modality: module}}``; offsets in order where omitted."""
         unknown = set(data) - {"modules", "modalities"}
         if unknown or "modules" not in data:
-            raise LayoutError(f"layout keys {sorted(data)}: expected 'modules' (and optionally "
-                              "'modalities')")
+            raise LayoutError(f"layout keys {listed(sorted(data))}: expected 'modules' (and "
+                              "optionally 'modalities')")
         entries = data["modules"]
         if isinstance(entries, dict):
             entries = [{"name": name, **(values or {})} for name, values in entries.items()]
@@ -346,8 +347,8 @@ class Layout:
             extra = set(entry) - {*DIMS, *EXPERT_DIMS, "rank_offset"}
             if not name or extra:
                 raise LayoutError(f"module entry {entry}: needs a name and only "
-                                  f"{[*DIMS, *EXPERT_DIMS, 'rank_offset']} "
-                                  f"(unknown: {sorted(extra)})")
+                                  f"{listed([*DIMS, *EXPERT_DIMS, 'rank_offset'])} "
+                                  f"(unknown: {listed(sorted(extra))})")
             module = ModuleLayout(name, **{"rank_offset": offset, **entry})
             modules.append(module)
             offset = module.ranks.stop

@@ -5,7 +5,7 @@ Adding one is a new module implementing ``Modality`` plus its line here.
 
 from __future__ import annotations
 
-from mimo_data.errors import ConfigError
+from mimo_data.errors import ConfigError, listed
 from mimo_data.modalities.audio import AUDIO
 from mimo_data.modalities.base import MediaError, MediaItem, Modality
 from mimo_data.modalities.image import IMAGE
@@ -20,7 +20,8 @@ def modality(name: str) -> Modality:
     try:
         return MODALITIES[name]
     except KeyError:
-        raise ConfigError(f"modality {name!r} unknown: use one of {sorted(MODALITIES)}") from None
+        raise ConfigError(f"modality {name!r} unknown: use one of {listed(sorted(MODALITIES))}") \
+            from None
 
 
 __all__ = ["MARKERS", "MODALITIES", "MediaError", "MediaItem", "Modality", "modality"]

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow
 from PIL import Image
 
-from mimo_data.errors import ConfigError
+from mimo_data.errors import ConfigError, listed
 from mimo_data.modalities.base import (MediaError, MediaItem, Modality, item_name,
                                        require_positive, take_grid_rows, to_device)
 
@@ -254,7 +254,7 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                              f"is above the limit of {max_pixels}")
         if fmt not in IMAGE_EXTENSIONS:
             raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
-                             f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
+                             f"not one of {listed(sorted(IMAGE_EXTENSIONS))}; convert it first")
         mode = image.mode
         if mode in _WIDE_MODES and (why := _clipped(image)):
             raise MediaError("unsupported_format", f"a {mode} image (one channel of more "

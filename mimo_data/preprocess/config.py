@@ -62,7 +62,7 @@ import typing
 
 import yaml
 
-from mimo_data.errors import ConfigError, UnreadableConfig, meant
+from mimo_data.errors import ConfigError, UnreadableConfig, listed, meant
 from mimo_data.files import load_yaml
 from mimo_data.hub import shadowed
 from mimo_data.modalities import MARKERS, MODALITIES
@@ -135,7 +135,7 @@ class PreprocessConfig:
             raise ConfigError(f"seq_length is {self.seq_length}: it must be at least 2")
         unknown = set(self.modalities) - set(MODALITIES)
         if unknown:
-            raise ConfigError(f"modalities {sorted(unknown)} unknown: use "
+            raise ConfigError(f"modalities {listed(sorted(unknown))} unknown: use "
                               f"{' and/or '.join(MODALITIES)}")
         tokens = [m.token for m in self.modalities.values()]
         if len(set(tokens)) != len(tokens):
@@ -275,8 +275,9 @@ def _make(kind, values: dict, where: str):
     if unknown:
         # the file's own keys are its top level, not a section named "preprocess"
         raise ConfigError(("unknown top-level key(s)" if where == "preprocess" else
-                           f"{where}: unknown key(s)") + f" {sorted(unknown)}"
-                          f"{meant(sorted(unknown), sorted(names))}; known: {sorted(names)}")
+                           f"{where}: unknown key(s)") + f" {listed(sorted(unknown))}"
+                          f"{meant(sorted(unknown), sorted(names))}; known: "
+                          f"{listed(sorted(names))}")
     missing = sorted(f.name for f in fields(kind) if f.name not in values
                      and f.default is MISSING and f.default_factory is MISSING)
     prefix = "" if where == "preprocess" else f"{where}."

@@ -15,7 +15,7 @@ from collections.abc import Collection
 import braceexpand
 import yaml
 
-from mimo_data.errors import meant
+from mimo_data.errors import listed, meant
 from mimo_data.shards import storage
 from mimo_data.shards.layouts import MemberMap
 from mimo_data.shards.sources import SourceError
@@ -110,7 +110,7 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
                           "needs; " + (f"it has {', '.join(f'field_map.{u}' for u in unknown)}"
                                        f", no field of a {kind}"
                                        f"{meant(unknown, missing, 'field_map.')}" if unknown
-                                       else f"its fields: {sorted(fields)}")
+                                       else f"its fields: {listed(sorted(fields))}")
                           + f": set {', '.join(f'field_map.{m}' for m in missing)} in "
                           f"{DATASET_YAML}, or {OTHERWISE}")
     extra = sorted(set(fields) - set(needed) - {"answer_weights"})
@@ -128,7 +128,7 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
         return MemberMap("vqa", media=fields["image"], question=fields["context"],
                          text=fields["answers"], weights=fields.get("answer_weights", "")), unread
     raise SourceError(f"{where}: sample type {kind or '?'}{meant([kind], _FIELDS)} with "
-                      f"fields {sorted(fields)}: mimo "
+                      f"fields {listed(sorted(fields))}: mimo "
                       "indexes CaptioningSample (image, caption) and VQASample (image, context, "
                       f"answers); {OTHERWISE}")
 

@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from mimo_data.errors import listed
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.format import TEXTS_CHOSEN, conversation_counts
 from mimo_data.shards.records import (RecordError, conversation_turns, media_markers,
@@ -207,7 +208,8 @@ def _medium(members: dict[str, bytes], spec: str | None) -> tuple[str, str] | No
     media = [name for name in members if name.rpartition(".")[2].lower() in MEDIA_EXTENSIONS]
     if len(media) > 1:
         dotted = all("." in name.rpartition(".")[0] or name[0].isdigit() for name in media)
-        raise RecordError("malformed_record", f"several media members {sorted(media)}; name "
+        raise RecordError("malformed_record", "several media members "
+                          f"({listed(sorted(media))}); name "
                           "the pair's medium with --media-member" + (
                               " (or, if these are several samples: webdataset's key ends at "
                               "the first dot of a file name, so KEY.000.jpg and KEY.001.jpg "
@@ -219,7 +221,7 @@ def _modality_of(member: str) -> str:
     extension = member.rpartition(".")[2].lower()
     if extension not in MEDIA_EXTENSIONS:
         raise RecordError("unsupported_format", f"member KEY.{member}: the extension "
-                          f"{extension!r} is none of {sorted(MEDIA_EXTENSIONS)}")
+                          f"{extension!r} is none of {listed(sorted(MEDIA_EXTENSIONS))}")
     return MEDIA_EXTENSIONS[extension]
 
 
@@ -237,7 +239,8 @@ def _conversation_media(members: dict[str, bytes]) -> dict[str, list[str]]:
         numbers = [_NUMBERED.match(name) for name in names]
         if len(names) > 1 and (None in numbers or
                                len({int(n[1]) for n in numbers if n}) < len(names)):
-            raise RecordError("malformed_record", f"{modality} members {sorted(names)} have no "
+            raise RecordError("malformed_record", f"{modality} members "
+                              f"({listed(sorted(names))}) have no "
                               "order: number them in marker order (KEY.0.jpg, KEY.1.png ...)")
         ordered[modality] = [name for _, name in sorted(
             (int(n[1]) if n else 0, name) for n, name in zip(numbers, names))]
@@ -330,7 +333,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
             raw.get("objects")) if isinstance(raw, dict) else (None,) * 4
         if isinstance(raw, dict) and turns is None:
             raise RecordError("malformed_record", f"KEY.{mapping.json} has the keys "
-                              f"{sorted(raw)[:12]}, and a conversation's are 'messages' or "
+                              f"{listed(map(repr, sorted(raw)[:12]))}, and a conversation's "
+                              "are 'messages' or "
                               "'conversations' (role/content or from/value turns): convert "
                               "other forms first, or give the --layout they are")
         messages = normalize_messages(turns, tools, system, objects)
@@ -391,16 +395,16 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
                     {"role": "assistant", "content": answered}]
         return Synthesized({"id": None, "messages": messages}, [medium], counts=counts)
     if medium is None:
-        named = (f" (no KEY.{mapping.media} member; the sample has {sorted(members)})"
-                 if mapping.media else f" (the sample has {sorted(members)}; a medium's member "
-                 f"ends in one of {sorted(MEDIA_EXTENSIONS)})")
+        named = (f" (no KEY.{mapping.media} member; the sample has {listed(sorted(members))})"
+                 if mapping.media else f" (the sample has {listed(sorted(members))}; a medium's "
+                 f"member ends in one of {listed(sorted(MEDIA_EXTENSIONS))})")
         raise RecordError("missing_media", f"KEY.{text[0] if text else mapping.text} has no "
                           f"medium beside it (a caption without its image, clip or audio)"
                           f"{named}")
     if text is None:
         raise RecordError("missing_text", f"KEY.{medium[1]} has no KEY.{mapping.text} beside it "
-                          f"(an image without its caption; the sample has {sorted(members)})"
-                          + (
+                          "(an image without its caption; the sample has "
+                          f"{listed(sorted(members))})" + (
                               f"; webdataset's key ends at the first dot of a file name, so "
                               f"KEY.{medium[1]} is a member {medium[1]!r}, not a medium of "
                               "a key with a dot: write keys without dots"

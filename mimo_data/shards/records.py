@@ -8,6 +8,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mimo_data.errors import listed
 from mimo_data.modalities import MARKERS, MediaError
 from mimo_data.shards.format import (MARKERS_PLACED_FIRST, TEXT_PART_BREAK,
                                      VIDEOS_MARKED_AS_IMAGES)
@@ -159,13 +160,13 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
             keys = sorted(key for key, value in turn.items() if value is not None)
             nulls = sorted(key for key, value in turn.items() if value is None)
             null = f" ({', '.join(map(repr, nulls))} null)" if nulls else ""
-            raise RecordError("malformed_record", f"turn {i} has keys {keys}{null}: a turn "
+            raise RecordError("malformed_record", f"turn {i} has keys {listed(keys)}{null}: a turn "
                               "needs role/content or from/value (`mimo-shard build` also reads "
                               "a list of {user, assistant} exchanges, the_cauldron's 'texts')")
         role = ROLE_ALIASES.get(str(speaker).lower())
         if role is None:
             raise RecordError("unknown_role", f"turn {i} has role {speaker!r}; known roles: "
-                              f"{sorted([*ROLE_ALIASES, *CALL_TURNS])}")
+                              f"{listed(sorted([*ROLE_ALIASES, *CALL_TURNS]))}")
         if calls and role != "assistant":
             raise RecordError("malformed_record", f"turn {i} ({role}) holds tool calls: only "
                               "an assistant turn calls tools")
@@ -241,9 +242,9 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
                           "model's own grounding text into the content instead (Qwen2-VL: "
                           "<|object_ref_start|>a dog<|object_ref_end|><|box_start|>(x1,y1),"
                           "(x2,y2)<|box_end|>, on its 0-1000 scale)")
-    listed = _tools(tools)
-    if listed:
-        messages[0]["tools"] = listed
+    tool_list = _tools(tools)
+    if tool_list:
+        messages[0]["tools"] = tool_list
     if not any(key in m for m in messages for key in ("tool_calls", "tools", "name",
                                                        "tool_call_id")):
         return messages
@@ -363,9 +364,9 @@ def _calls(turn: Mapping[str, Any], i: int) -> list[dict]:
             given = {key for key, value in function.items() if value is not None}
             known = {"name", "arguments", "parameters"} | (set() if wrapped else {"id", "type"})
             if given - known or {"arguments", "parameters"} <= given:
-                raise RecordError("malformed_record", f"{where} has keys {sorted(given)}: a "
-                                  "call is its name and its arguments (under 'arguments', or "
-                                  "'parameters' as Llama 3's)")
+                raise RecordError("malformed_record", f"{where} has keys "
+                                  f"{listed(sorted(given))}: a call is its name and its "
+                                  "arguments (under 'arguments', or 'parameters' as Llama 3's)")
             arguments = function.get("arguments")
             if arguments is None:
                 arguments = function.get("parameters")

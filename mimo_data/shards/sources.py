@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mimo_data.errors import listed
 from mimo_data.files import not_found
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.records import (PART_MODALITIES, RecordError, as_turns,
@@ -426,7 +427,8 @@ class ConversationFile:
                                   f"'.{key}[]' FILE > records.jsonl")
         if turns is None:
             raise RecordError("malformed_record", f"no conversation: the record has the keys "
-                              f"{sorted(record)[:12]}, and mimo reads 'messages' or "
+                              f"{listed(map(repr, sorted(record)[:12]))}, and mimo reads "
+                              "'messages' or "
                               "'conversations' (role/content or from/value turns), a 'caption' "
                               "pair or a 'texts' document: convert other forms first (alpaca's "
                               "instruction/input/output, query/response, video QA's q/a" + (
@@ -553,8 +555,8 @@ class ParquetTable:
                     if transcript else "")
             raise SourceError(f"{path}: none of the columns 'messages', 'conversations' "
                               f"(conversations), 'texts' (documents) or 'caption' (caption "
-                              f"pairs) found (columns are {sorted(names)}): name the column "
-                              "holding them with --messages-column, --texts-column or "
+                              f"pairs) found (columns are {listed(sorted(names))}): name the "
+                              "column holding them with --messages-column, --texts-column or "
                               "--caption-column; another form (question/answer, alpaca's "
                               "instruction/output) is converted to messages first"
                               f"{hint}")
@@ -571,7 +573,7 @@ class ParquetTable:
                 self.columns[media_field(name)] for name in MODALITIES):
             raise SourceError(f"{path}: caption pairs (column {self.columns['caption']!r}) "
                               f"and no column of their media found (columns are "
-                              f"{sorted(names)}): name it with --image-column (or "
+                              f"{listed(sorted(names))}): name it with --image-column (or "
                               "--audio-column, --video-column)")
 
     def tasks(self, source: int):
@@ -667,7 +669,7 @@ def _pick_column(path, names, wanted, candidates) -> str | None:
     ``candidates`` the table has (None: none)."""
     if wanted:
         if wanted not in names:
-            raise SourceError(f"{path}: no column {wanted!r}; columns are {sorted(names)}")
+            raise SourceError(f"{path}: no column {wanted!r}; columns are {listed(sorted(names))}")
         return wanted
     return next((c for c in candidates if c in names), None)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from mimo_data.errors import listed
 from mimo_train.checkpoint_folders import damaged, read_meta
 from mimo_train.errors import CheckpointError
 from mimo_train.mcore import ShardedTensor, dist_checkpointing, nested_values
@@ -293,8 +294,8 @@ def _check_frozen(directory: str, meta: dict, saved, freeze: Sequence[str]) -> N
         part == ours or part.startswith(f"{ours}.") for ours in freeze)]
     if trained_now:
         raise CheckpointError(
-            f"checkpoint {directory} was saved by a run with model.freeze {list(theirs)}, "
-            f"this run has {list(freeze)}: {', '.join(trained_now)} would train (or be "
+            f"checkpoint {directory} was saved by a run with model.freeze {listed(theirs)}, "
+            f"this run has {listed(freeze)}: {', '.join(trained_now)} would train (or be "
             "adapted), and a frozen part has no optimizer state to resume. Resume with that "
             f"model.freeze, or start a new run from its weights: model.init_from={directory} "
             "and another checkpoint.dir")

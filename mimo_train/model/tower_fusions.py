@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from mimo_data.errors import listed
 from mimo_train.errors import EncoderBuildError
 from mimo_train.runtime.compile import Compiler
 
@@ -292,7 +293,7 @@ class FusedRotaryAttention(torch.nn.Module):
         if implementation not in ALL_ATTENTION_FUNCTIONS:
             raise EncoderBuildError(f"the tower's attention {implementation!r} is not one of "
                                     f"transformers' attention functions "
-                                    f"{sorted(ALL_ATTENTION_FUNCTIONS)}")
+                                    f"{listed(sorted(ALL_ATTENTION_FUNCTIONS))}")
         self.attend = ALL_ATTENTION_FUNCTIONS[implementation]
         self.by_boundaries = is_flash_attention_requested(
             requested_attention_implementation=implementation)

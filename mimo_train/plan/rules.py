@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from mimo_data.errors import listed
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_train.errors import TrainConfigError
 from mimo_train.plan.parts import reaches_routed_experts
@@ -327,7 +328,7 @@ def expert_lora_rank_splits_over_etp(facts: Facts, layout: Layout, settings: Set
     if targets is not None and not reaches_routed_experts(tuple(targets), facts.layers,
                                                           facts.experts):
         return None
-    which = "may take in" if targets is None else f"{list(targets)} take in"
+    which = "may take in" if targets is None else f"{listed(targets)} take in"
     return (f"model.lora.language.rank {rank} does not split over the experts' etp {etp}: the "
             f"language model's targets {which} its routed experts, each split over etp{etp} "
             "ranks, and the adapter of an expert's linear_fc1 splits A by its rank rows over "

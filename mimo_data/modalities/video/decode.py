@@ -18,6 +18,7 @@ from typing import Any
 import av
 import numpy as np
 
+from mimo_data.errors import listed
 from mimo_data.modalities.base import MediaError
 from mimo_data.modalities.video.config import MAX_VIDEO_SECONDS, VideoConfig
 from mimo_data.modalities.video.sampling import sample_indices
@@ -95,10 +96,10 @@ def probe_video(data: bytes, check: str = "decode",
                    if codec in VIDEO_CODECS else
                    "ffmpeg -i IN -c:v libx264 -pix_fmt yuv420p OUT.mp4")
             raise MediaError("unsupported_format", f"video container {fmt!r} is not one of "
-                             f"{sorted(VIDEO_EXTENSIONS)}; convert it first ({how})")
+                             f"{listed(sorted(VIDEO_EXTENSIONS))}; convert it first ({how})")
         if codec not in VIDEO_CODECS:
             raise MediaError("unsupported_codec", f"video codec {codec!r} is not one of "
-                             f"{list(VIDEO_CODECS)}; re-encode it first")
+                             f"{listed(VIDEO_CODECS)}; re-encode it first")
         rate = stream.average_rate or stream.guessed_rate
         if not rate or rate <= 0:
             raise MediaError("corrupt_video", "the video stream has no frame rate")
