@@ -304,6 +304,9 @@ def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_pat
         if (published["checkpoint"] / name).is_file():
             assert (out / name).read_bytes() == (published["checkpoint"] / name).read_bytes(), \
                 name
+    # and no template file the checkpoint has not (a save's chat_template.jinja, say)
+    assert {path.name for path in out.glob("chat_template.*")} == \
+        {path.name for path in published["checkpoint"].glob("chat_template.*")}
     theirs = {}
     for path in published["checkpoint"].glob("*.safetensors"):
         theirs.update(load_file(path))

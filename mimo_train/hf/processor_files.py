@@ -5,6 +5,7 @@ sampling in the keys transformers reads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +17,8 @@ NESTED_PROCESSOR = "processor_config.json"
 PROCESSOR_FILES = ("preprocessor_config.json", NESTED_PROCESSOR)
 
 
+# the chat template as a file of its own (transformers 5 saves a tokenizer's there)
+TEMPLATE_FILE = "chat_template.jinja"
 # the files a transformers tokenizer is saved as (a Hub checkpoint ships some of them)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
@@ -50,6 +53,11 @@ def write_tokenizer(tokenizer, out: str, pretrained: str, preprocess) -> None:
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(pretrained, name)):
             shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
+    # the save's own chat_template.jinja, a checkpoint without one keeps its template in the
+    # files just copied (copy_processor writes the run's own template where it has one)
+    if not os.path.isfile(os.path.join(pretrained, TEMPLATE_FILE)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, TEMPLATE_FILE))
 
 
 def copy_processor(pretrained: str, out: str, preprocess, template: str | None) -> None:
@@ -60,11 +68,11 @@ def copy_processor(pretrained: str, out: str, preprocess, template: str | None) 
     from mimo_train.families.base import model_directory
     pretrained = model_directory(pretrained)
     for name in ("preprocessor_config.json", NESTED_PROCESSOR, VIDEO_PROCESSOR,
-                 "chat_template.json", "chat_template.jinja"):
+                 "chat_template.json", TEMPLATE_FILE):
         if os.path.isfile(os.path.join(pretrained, name)):
             shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
     if template is not None:          # tokenizer.save_pretrained wrote chat_template.jinja
-        with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+        with open(os.path.join(out, TEMPLATE_FILE), "w") as f:
             f.write(template)
         for name, always in (("chat_template.json", True), ("tokenizer_config.json", False),
                              (NESTED_PROCESSOR, False)):
