@@ -397,6 +397,11 @@ train: {steps: 20}
     (["train.collective_timeout_minutes=0"], "train.collective_timeout_minutes is 0"),
     (["train.profile={start: 2}"], "train.profile.dir is not set"),
     (["train.profile={dir: p, steps: 0}"], "train.profile.steps is 0"),
+    (["train.profile={dir: p, start: 50}"], "train.profile covers steps 50..51, past "
+     "train.steps 20: the run would end before the profile does and write none"),
+    (["train.seed=-1"], "train.seed is -1: it must be in [0, 4294967295]"),
+    (["train.seed=99999999999999999999999"], "train.seed is 99999999999999999999999: it must "
+     "be in [0, 4294967295]"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_validate_rule(tmp_path, overrides, fragment):
     assert fragment in load_error(tmp_path, VALID, *overrides)

@@ -307,7 +307,9 @@ class RunConfig:
     eval_interval: Count = 0                          # 0: no evaluation
     eval_steps: Positive = 1
     log_interval: Positive = 1
-    seed: int = 1
+    # the model's, the data order's and each module's seeds derive from it (a module's a
+    # million times it: within torch's 64 bits)
+    seed: Annotated[int, Range(0, 2**32 - 1)] = 1
     device: Annotated[str, OneOf(("auto", "cuda", "cpu"))] = "auto"
     precision: Annotated[str, OneOf(("fp32", "bf16"))] = "fp32"
     # the MFU's denominator: dense peak TFLOP/s of one GPU (default: the GPU's, by its name and
@@ -448,6 +450,12 @@ class TrainConfig:
         if run.profile is not None and not run.profile.dir:
             raise TrainConfigError("train.profile.dir is not set: name the directory the "
                                    "profile summaries go to (or drop train.profile)")
+        if run.profile is not None and run.profile.start + run.profile.steps - 1 > run.steps:
+            last = run.profile.start + run.profile.steps - 1
+            raise TrainConfigError(
+                f"train.profile covers steps {run.profile.start}..{last}, past train.steps "
+                f"{run.steps}: the run would end before the profile does and write none; lower "
+                "train.profile.start or train.profile.steps")
         for name in run.exit_signals:
             _check_exit_signal(str(name))
         opt.check()

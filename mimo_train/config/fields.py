@@ -48,9 +48,14 @@ class Range:
 
     def __str__(self) -> str:
         if self.high is None:
-            return f"{'>' if self.open_low else '>='} {self.low:g}"
-        return (f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}"
+            return f"{'>' if self.open_low else '>='} {_number(self.low)}"
+        return (f"in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
                 f"{')' if self.open_high else ']'}")
+
+
+def _number(value) -> str:
+    """A bound as written: a whole one in full (4294967295, not 4.29497e+09)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 Count = Annotated[int, Range(0)]            # 0 or more
