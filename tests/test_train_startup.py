@@ -230,7 +230,7 @@ CASES = [
      ["encoder module 'image' has tp 2", "use dp only for encoders"]),
     ("model.encoders names a module the layout lacks", "default",
      ["model.encoders.foo.hidden_size=16"], "config",
-     ["model.encoders has ['foo']", "does not name", "use its encoder modules"]),
+     ["model.encoders has foo,", "does not name", "use its encoder modules"]),
     ("pretrained encoder path does not exist", "default",
      ["model.encoders.image.pretrained=/nonexistent"], "config",
      ["model.encoders.image.pretrained", "/nonexistent"]),
@@ -292,7 +292,7 @@ CASES = [
       "preprocessing configs", "Give every rank the same files"]),
     ("optimizer.modules names a module the layout lacks", "default",
      ["optimizer.modules={{vision: {{lr: 0.1}}}}"], "config",
-     ["optimizer.modules has ['vision']", "use its modules"]),
+     ["optimizer.modules has vision,", "use its modules"]),
 ]
 
 

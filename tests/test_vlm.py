@@ -414,6 +414,38 @@ def test_a_speech_tower_beside_the_vlms_gets_a_projection_of_its_own(vlm_data):
                        r"\(model.encoders.audio.projection, else model.projection\), but its "
                        "tower emits 32 features for a language width of 64: use linear or mlp"):
         projections("model.encoders={audio: {projection: none}}")
+    # a random tower's dims checked as resolved, not at step 1's reshape: heads dividing the
+    # width; the whole VLM's tower's dims are its checkpoint's, a dim set beside it refused
+    with pytest.raises(TrainConfigError, match=r"model.encoders.audio: num_attention_heads 4 "
+                       r"over hidden_size 30 makes heads of 7.5 channels, and a whisper tower's "
+                       r"head size is a whole number: give heads of 1, 2, 3, 5, 6, 10"):
+        projections("model.encoders={audio: {hidden_size: 30, num_attention_heads: 4}}")
+    with pytest.raises(TrainConfigError, match=r"model.encoders.image.num_layers is 7, but the "
+                       f"tower is model.pretrained {VLM}'s, whose config gives its dims: drop "
+                       "the key"):
+        projections("model.encoders={image: {num_layers: 7}}")
+    # Qwen2-VL's rotary takes heads of a multiple of 4 channels (14 failed in its forward)
+    plain = ["data.datasets=[unused]", "layout=language=dp1;image=dp1",
+             "model.language.mrope_section=[2, 3, 3]"]
+    dynamic = PreprocessConfig.from_yaml(vlm_data[1])
+    with pytest.raises(TrainConfigError, match=r"heads of 14 channels, and a qwen2_vl tower's "
+                       r"head size is a multiple of 4 \(its rotary positions\): give heads of "
+                       r"1, 7$"):
+        resolve(TrainConfig.load(None, [*plain, "model.encoders.image.hidden_size=28"]), dynamic)
+    assert resolve(TrainConfig.load(None, [*plain, "model.encoders.image.hidden_size=24"]),
+                   dynamic).encoders["image"].dims == (24, 1, 2)
+    # and the language model's: its rotary turns channel pairs (15 failed at step 1)
+    with pytest.raises(TrainConfigError, match=r"model.language: num_attention_heads 4 over "
+                       r"hidden_size 60 makes heads of 15 channels, an odd number, .* give "
+                       r"heads that make it even \(e.g. 2, 3, 5, 6\)"):
+        resolve(TrainConfig.load(None, [*plain, "model.language.hidden_size=60"]), dynamic)
+    # a module misspelt: the one meant said, as a misspelt key's is
+    for override, said in (("model.freeze=[imag]", "model.freeze names 'imag' (did you mean "
+                            "image?), not a module"),
+                           ("model.encoders.imag.hidden_size=24", "model.encoders has imag "
+                            "(did you mean image?), which the layout")):
+        with pytest.raises(TrainConfigError, match=re.escape(said)):
+            resolve(TrainConfig.load(None, [*plain, override]), dynamic)
 
 
 def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_data):

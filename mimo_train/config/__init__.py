@@ -156,6 +156,8 @@ def check_mrope(section: list | None, head_dim: int) -> None:
 
 # the language model's dims without a checkpoint (``plan.resolve`` takes them)
 LANGUAGE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+# a randomly initialized encoder tower's dims where model.encoders.<module> sets none
+ENCODER_DEFAULTS = {"hidden_size": 32, "num_layers": 1, "num_attention_heads": 2}
 
 
 @dataclass
@@ -166,9 +168,11 @@ class EncoderConfig:
     a transformers model directory (or hub name) whose weights replace the random init; its
     geometry must match the preprocessing config."""
     kind: str | None = None
-    hidden_size: Positive = 32
-    num_layers: Positive = 1
-    num_attention_heads: Positive = 2
+    # a randomly initialized tower's dims (unset: ENCODER_DEFAULTS); a pretrained one's
+    # come from its checkpoint
+    hidden_size: Positive | None = None
+    num_layers: Positive | None = None
+    num_attention_heads: Positive | None = None
     pretrained: str | None = None
     # activation recomputation of the tower: none, or full (transformers' gradient
     # checkpointing: each layer's input kept, the layer recomputed in the backward pass)

@@ -63,6 +63,9 @@ class Encoder(torch.nn.Module):
     # its transformers tower attends within items given their boundaries (``cu_seqlens``) in
     # one call: ``model.tower_attention``'s varlen kernel serves it on GPUs
     attends_by_boundaries: bool = False
+    # a randomly initialized tower's head size (hidden / heads) is a multiple of this (its
+    # rotary position embedding's pairs over the patch rows and columns: Qwen2-VL's, 4)
+    head_dim_multiple: int = 1
 
     @property
     def row_width(self) -> int:

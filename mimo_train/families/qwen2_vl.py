@@ -83,6 +83,7 @@ class Qwen2VLVision(Encoder):
     ``get_image_features`` and ``get_video_features`` call the one tower."""
     takes = ("image", "dynamic")
     also_takes = ("video",)
+    head_dim_multiple = 4       # the rotary's half of a head over rows, half over columns
     video: VideoConfig | None = None
     # transformers' towers of this family (and its subclasses': Qwen2.5-VL, Qwen3-VL,
     # Qwen3.5) attend per frame (``cu_seqlens`` of h x w per temporal patch), repeat the

@@ -884,8 +884,8 @@ def _write_encoders(out: str, plan, weights: dict, directory: str, dtype: str | 
     modules, projections, written = {}, {}, {}
     for name, setting in plan.encoders.items():
         modality, kind, spec = setting.modality, setting.kind, setting.spec
-        encoder = build_encoder(kind, setting.config, spec.hidden_size, spec.num_layers,
-                                spec.num_attention_heads, spec.pretrained)
+        hidden, layers, heads = setting.dims
+        encoder = build_encoder(kind, setting.config, hidden, layers, heads, spec.pretrained)
         state, prefix = weights[name], f"encoders.{modality}.encoder."
         written[name] = _export_dtype(dtype, spec.pretrained, next(
             v.dtype for k, v in state.items() if k.startswith(prefix)))

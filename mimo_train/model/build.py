@@ -139,9 +139,8 @@ class _SeededEncoder(torch.nn.Module):
     def __init__(self, seed: int, name: str, setting: EncoderSetting):
         super().__init__()
         torch.manual_seed(_module_seed(seed, name))
-        spec = setting.spec
-        self.encoder = build_encoder(setting.kind, setting.config, spec.hidden_size,
-                                     spec.num_layers, spec.num_attention_heads, spec.pretrained)
+        self.encoder = build_encoder(setting.kind, setting.config, *setting.dims,
+                                     setting.spec.pretrained)
         for modality, config in setting.also.items():
             self.encoder.take_also(modality, config)
         self.modalities = (setting.modality, *setting.also)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from mimo_data.loading.layout import Layout, LayoutError
-from mimo_train.config import EncoderConfig, TrainConfig
+from mimo_train.config import ENCODER_DEFAULTS, EncoderConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import VLM, input_form
 from mimo_train.families.registry import ENCODERS, OWN_MODALITIES, checkpoint_config, default_kind
@@ -37,6 +37,20 @@ class EncoderSetting(NamedTuple):
     def frame_independent(self) -> bool:
         """Whether its tower encodes each temporal patch of a clip on its own."""
         return ENCODERS[self.kind].frame_independent
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        """A randomly initialized tower's (hidden_size, num_layers, num_attention_heads)
+        (a pretrained one's are its checkpoint's: these are then the unused defaults)."""
+        return tower_dims(self.spec)
+
+
+def tower_dims(spec: EncoderConfig) -> tuple[int, int, int]:
+    """``spec``'s (hidden_size, num_layers, num_attention_heads), ``ENCODER_DEFAULTS`` where
+    unset."""
+    hidden, layers, heads = (getattr(spec, key) or ENCODER_DEFAULTS[key]
+                             for key in ("hidden_size", "num_layers", "num_attention_heads"))
+    return hidden, layers, heads
 
 
 def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | None
@@ -85,10 +99,43 @@ def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | No
                     if vlm is not None and spec.pretrained == vlm.path else
                     f"its {kind} encoder encodes {takes} only: give {refused} their own "
                     "encoder module"))
+        spec = _tower_dims(module.name, spec, kind, vlm)
         settings[module.name] = EncoderSetting(
             modality, modality_config, spec, kind, {m: preprocess.modalities[m] for m in also},
             _output_size(module.name, spec, kind), _projection(spec, cfg, vlm))
     return settings
+
+
+def _tower_dims(name: str, spec: EncoderConfig, kind: str, vlm: VLM | None) -> EncoderConfig:
+    """``spec`` with a randomly initialized tower's dims (``ENCODER_DEFAULTS`` where unset),
+    checked: heads dividing the width into heads of a size the kind's positions take. A
+    pretrained tower's dims are its checkpoint's: a dim set beside it is refused (it would be
+    ignored)."""
+    given = {key: getattr(spec, key) for key in ENCODER_DEFAULTS
+             if getattr(spec, key) is not None}
+    if spec.pretrained is not None:
+        if given:
+            key, value = next(iter(given.items()))
+            source = "model.pretrained" if vlm is not None and spec.pretrained == vlm.path \
+                else f"model.encoders.{name}.pretrained"
+            raise TrainConfigError(
+                f"model.encoders.{name}.{key} is {value}, but the tower is {source} "
+                f"{spec.pretrained}'s, whose config gives its dims: drop the key")
+        return spec
+    dims = {**ENCODER_DEFAULTS, **given}
+    hidden, heads = dims["hidden_size"], dims["num_attention_heads"]
+    multiple = ENCODERS[kind].head_dim_multiple
+    if hidden % heads or hidden // heads % multiple:
+        fits = [n for n in range(1, hidden + 1)
+                if hidden % n == 0 and hidden // n % multiple == 0][:6]
+        size = f"{multiple}" if multiple > 1 else "a whole number"
+        raise TrainConfigError(
+            f"model.encoders.{name}: num_attention_heads {heads} over hidden_size {hidden} "
+            f"makes heads of {hidden / heads:g} channels, and a {kind} tower's head size is "
+            + (f"a multiple of {size} (its rotary positions)" if multiple > 1 else size) +
+            f": give heads of {', '.join(map(str, fits))}" + (
+                "" if fits else f", or a hidden_size that is a multiple of {multiple}"))
+    return dataclasses.replace(spec, **dims)
 
 
 def _projection(spec: EncoderConfig, cfg: TrainConfig, vlm: VLM | None) -> str:
@@ -142,7 +189,7 @@ def _output_size(name: str, spec: EncoderConfig, kind: str) -> int:
     """The width of the rows encoder module ``name`` emits: a checkpoint's (its config), else
     ``model.encoders.<name>.hidden_size``."""
     if spec.pretrained is None:
-        return spec.hidden_size
+        return tower_dims(spec)[0]
     config = checkpoint_config(spec.pretrained, f"model.encoders.{name}.pretrained")
     types = ENCODERS[kind].checkpoint_types()
     vision = getattr(config, "vision_config", None) or config

@@ -93,6 +93,15 @@ def language_plan(language: LanguageConfig, pretrained: str | None,
                 f"model.language.hidden_size {hidden}: each head takes hidden_size / heads "
                 f"channels; give heads that divide it (e.g. {', '.join(map(str, near or [1]))})")
         head_dim = hidden // heads
+        if head_dim % 2:            # the rotary turns each head's channels in pairs
+            near = [n for n in range(1, 2 * heads + 1) if hidden % n == 0
+                    and hidden // n % 2 == 0][-4:]
+            raise TrainConfigError(
+                f"model.language: num_attention_heads {heads} over hidden_size {hidden} makes "
+                f"heads of {head_dim} channels, an odd number, and the rotary positions turn a "
+                "head's channels in pairs: give heads that make it even"
+                + (f" (e.g. {', '.join(map(str, near))})" if near else
+                   ", or an even hidden_size"))
     else:
         for name, given in dims.items():
             actual = getattr(arch, name)

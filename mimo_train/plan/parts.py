@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from mimo_data.errors import listed, meant
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_train.errors import TrainConfigError
 
@@ -72,10 +73,11 @@ class Part:
         module, _, part = entry.partition(".")
         modules = [m.name for m in layout.modules]
         if module not in modules or (part and (part not in ENCODER_PARTS or module == LANGUAGE)):
+            parts = [*modules, *(f"{m.name}.{p}" for m in layout.encoders for p in ENCODER_PARTS)]
             raise TrainConfigError(
-                f"{key} names {entry!r}, not a module of the layout {layout} nor an encoder "
-                f"module's part: use one of {modules}, or <module>.encoder / "
-                "<module>.projection for an encoder module")
+                f"{key} names {entry!r}{meant([entry], parts)}, not a module of the layout "
+                f"{layout} nor an encoder module's part: use one of {listed(modules)}, or "
+                "<module>.encoder / <module>.projection for an encoder module")
         return cls(module, part or None)
 
     @property
@@ -125,5 +127,6 @@ def check_module_names(key: str, names: Iterable[str], layout: Layout,
     unknown = sorted(set(names) - set(modules))
     if unknown:
         kind = "encoder modules" if encoders_only else "modules"
-        raise TrainConfigError(f"{key} has {unknown}, which the layout {layout} does not "
-                               f"name: use its {kind} {modules}")
+        raise TrainConfigError(f"{key} has {listed(unknown)}{meant(unknown, modules)}, which "
+                               f"the layout {layout} does not name: use its {kind} "
+                               f"{listed(modules)}")

@@ -166,8 +166,7 @@ def tower_linears(setting) -> dict[str, tuple[int, int]]:
     if spec.pretrained:
         config = checkpoint_config(spec.pretrained, "model.encoders.*.pretrained")
     else:
-        config = ENCODERS[kind].random_config(setting.config, spec.hidden_size, spec.num_layers,
-                                              spec.num_attention_heads)
+        config = ENCODERS[kind].random_config(setting.config, *setting.dims)
     with torch.device("meta"):
         tower = ENCODERS[kind].build_tower(config)
     return {name: (module.in_features, module.out_features)

@@ -374,5 +374,4 @@ def _configured_tower(name: str, setting: EncoderSetting) -> Tower:
             vision, _ = llava.tower_config(config)
             return tower_from_hf(kind, vision, llava.LlavaVision.pretrained_output_size(config))
         return tower_from_hf(kind, config)
-    return tower_from_hf(kind, ENCODERS[kind].random_config(
-        setting.config, spec.hidden_size, spec.num_layers, spec.num_attention_heads))
+    return tower_from_hf(kind, ENCODERS[kind].random_config(setting.config, *setting.dims))
