@@ -171,6 +171,11 @@ def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):
     code, err = _main(module, capsys, "build", source, "-o", tmp_path / "c",
                       "--max-shard-bytes", "lots")
     assert code == 2 and "lots" in err
+    # an input in a bucket: build reads local files (its output may be a bucket)
+    code, err = _main(module, capsys, "build", "s3://bucket/raw/in.jsonl", "-o", tmp_path / "d",
+                      "--no-progress")
+    assert code == 2 and "s3://bucket/raw/in.jsonl: mimo-shard build reads its inputs from " \
+        "local files" in err, err
     # sizes in bytes or KB/MB/GB as powers of 1024, a fraction too
     from mimo_data.shards.cli import _byte_size
     assert [_byte_size(t) for t in ("500000", "512MB", "1.5GB", "0.5 KiB", "2g")] == [

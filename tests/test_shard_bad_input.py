@@ -1003,6 +1003,20 @@ def test_media_urls_are_counted_as_not_downloaded(capsys, tmp_path, assets, good
     for url, first in zip(urls, firsts):
         assert url in first["detail"] and "is a URL" in first["detail"], first
         assert "img2dataset" in first["detail"] and "not found" not in first["detail"], first
+    # a bucket's URL, and a path written with Windows' backslashes: said what they are
+    code, _, err = cli_main(capsys, "build", write_jsonl(tmp_path / "more.jsonl", [
+        *good_records, _image_record("s3://bucket/raw/1.jpg") | {"id": "bucket"},
+        _image_record("photos\\1.jpg") | {"id": "windows"}]), "-o", tmp_path / "more",
+        "--no-progress")
+    assert code == 0, err
+    bucket, windows = read_json(tmp_path / "more" / "report.json")["skipped_by_reason"][
+        "missing_media"]["first"]
+    assert bucket["detail"].startswith("'s3://bucket/raw/1.jpg' is an object store's URL, which "
+                                       "mimo-shard build does not read media from"), bucket
+    assert windows["detail"].endswith("not found (paths are relative to the input file's "
+                                      "folder, or to --media-root; this one is written with "
+                                      "backslashes, as Windows writes paths: write it with / "
+                                      "(and without a drive letter))"), windows
 
 
 # ----------------------------------------------------------------------------------- strict

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from mimo_data.errors import listed
 from mimo_data.files import not_found
+from mimo_data.shards import storage
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.records import (PART_MODALITIES, RecordError, as_turns,
                                       conversation_turns, json_type, tool_lists)
@@ -694,6 +695,11 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     """The reader for ``path``. ``auto`` picks by extension; a ``.json`` file whose first line
     is a whole JSON object is JSONL (NeMo names its manifests so); JSONL is a speech manifest
     when its first well-formed record has ``audio_filepath``."""
+    if storage.is_remote(path):
+        raise SourceError(f"{path}: mimo-shard build reads its inputs from local files (its "
+                          "--output may be a bucket): copy the records' files and their media "
+                          "here first (e.g. aws s3 sync s3://BUCKET/raw/ raw/); tars in a bucket "
+                          "are indexed where they are with mimo-shard index")
     if os.path.isdir(path):
         raise SourceError(f"{path}: is a folder; give the records' files (JSON, JSONL, Parquet "
                           "or a speech manifest), whose records name the media (a folder of "

@@ -20,6 +20,7 @@ import soundfile
 from mimo_data.files import not_found
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.modalities.video.frames import frames_clip, frames_list_clip
+from mimo_data.shards import storage
 from mimo_data.shards.format import VIDEOS_FROM_FRAMES, VIDEOS_ROTATED, conversation_counts
 from mimo_data.shards.records import (RecordError, media_markers, normalize_caption,
                                       normalize_document, normalize_messages)
@@ -187,8 +188,12 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None,
         with open(full, "rb") as media:
             return media.read(), path, full, False
     except FileNotFoundError:
+        windows = "\\" in path and os.sep == "/"
         raise RecordError("missing_media", f"{empty}media file {full}: {not_found(full)} (paths "
-                          "are relative to the input file's folder, or to --media-root)") from None
+                          "are relative to the input file's folder, or to --media-root" + (
+                              "; this one is written with backslashes, as Windows writes "
+                              "paths: write it with / (and without a drive letter)"
+                              if windows else "") + ")") from None
     except IsADirectoryError:   # a video as a folder of its frames (LLaVA-Hound's, say)
         raise RecordError("missing_media", f"{full} is a folder, not a media file: a video's "
                           "frames are read with --frames-fps, the rate they were taken at "
@@ -218,6 +223,10 @@ def _local_path(path: str, media_root: str) -> tuple[str, str]:
     if path.lower().startswith(("http://", "https://")):    # joined to the root: nonsense
         raise RecordError("missing_media", f"{path[:100]!r} is a URL, which mimo does not "
                           "download: fetch it first (e.g. img2dataset) and give paths or bytes")
+    if storage.is_remote(path):                             # s3://, gs://: the same
+        raise RecordError("missing_media", f"{path[:100]!r} is an object store's URL, which "
+                          "mimo-shard build does not read media from: copy the media beside "
+                          "the input first (e.g. aws s3 sync) and give paths relative to it")
     try:
         path.encode("utf-8")
     except UnicodeEncodeError as exc:   # a lone surrogate from a "\ud800" escape
