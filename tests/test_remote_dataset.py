@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -353,8 +354,8 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     assert code == 1, err
     assert err.startswith(f"mimo-shard build: error: {url} is being written by mimo-shard "
                           f"build (pid {os.getpid()} on {socket.gethostname()}, started "), err
-    assert "; wait for it to end (if it was killed, its claim lapses in about 1 minute(s), " \
-        "at " in err and err.rstrip().endswith(
+    assert re.search(r"; wait for it to end \(if it was killed, its claim lapses in about "
+                     r"[1-6] s, at ", err) and err.rstrip().endswith(
             " by this host's clock; if you are sure it is no longer running, delete "
             f"{url}/.mimo-claim), or choose another --output"), err
     assert "error" not in first, first
@@ -382,22 +383,26 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
         "killed", "mimo-shard build", "node-7", 4242, long_ago, long_ago).encoded())
     code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
     assert code == 1 and "is being written by mimo-shard build (pid 4242 on node-7" in err, err
+    # one of this host whose process has ended: lapsed once two renewals are missed, not
+    # STALE_S (renewals every 1.5 s here: 3 s)
     ended = subprocess.Popen(["true"])
     ended.wait()
     here = claim.Claimant("here", "mimo-shard build", socket.gethostname(), ended.pid,
                           time.time(), time.time())
+    monkeypatch.setattr(claim, "RENEW_S", 1.5)
     fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", here.encoded())
     code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
     assert code == 1 and f"was being written by mimo-shard build (pid {ended.pid} on " \
-        f"{socket.gethostname()}, started " in err and "which is no longer running (killed): " \
-        "its claim lapses in about 1 minute(s), at " in err and "; build again then (or now, " \
-        f"once you delete {url}/.mimo-claim)" in err, err
-    time.sleep(claim.STALE_S + 1)
+        f"{socket.gethostname()}, started " in err and "which has ended without giving its " \
+        "claim back (killed, or stopped by an error): its claim lapses in about " in err and \
+        "; build again then (or now, " f"once you delete {url}/.mimo-claim)" in err, err
+    time.sleep(2 * claim.RENEW_S + 1)       # within STALE_S of its write
     code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress",
                             "--max-samples-per-shard", PER_SHARD)
     assert code == 0, err
     assert err.startswith(f"mimo-shard: taking over {url} from mimo-shard build (pid "
                           f"{ended.pid} on {socket.gethostname()}, started "), err
+    assert "ago (its process has ended)" in err, err
     assert set(_objects(s3, "claimed")) == set(built.files)
 
     # a build whose claim another takes over after its first shard stops there
@@ -421,6 +426,21 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     left = _objects(s3, "claimed")
     assert puts == [f"{url}/data-000000.tar"] and "index.json" not in left
     assert left[".mimo-claim"] == other.encoded()
+    # ... and one whose claim is gone (deleted, the bucket reset): said so, not "taken over"
+    fs.rm(f"{BUCKET}/claimed", recursive=True)
+
+    def put_then_claim_gone(self, path, target):
+        real_put(self, path, target)
+        fs.rm(f"{BUCKET}/claimed/.mimo-claim")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(storage.Remote, "put", put_then_claim_gone)
+        with pytest.raises(claim.OutputBusy, match=re.escape(
+                f"this run's claim {url}/.mimo-claim is gone (deleted, or the bucket or its "
+                "prefix was removed or reset meanwhile): it stopped without writing an index")):
+            build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0,
+                                            progress=False), s3.storage_options)
+    assert "index.json" not in _objects(s3, "claimed")
 
 
 # ----------------------------------------------------------------------------------- reader

@@ -421,8 +421,10 @@ def _remove_uploaded(remote: storage.Remote, uploaded: list[str]) -> None:
             break
     if left:
         print(f"mimo-shard: the failed build's shards {', '.join(left[:3])}"
-              f"{' ...' if len(left) > 3 else ''} are left (the store refused their removal); "
-              "remove them before the next build into the same prefix", file=sys.stderr)
+              f"{' ...' if len(left) > 3 else ''} are left (the store refused their removal), "
+              "and its claim on the prefix likely too: the next build into it, once the claim "
+              "lapses (a minute from here, 5 from another host), takes it over and removes "
+              "them", file=sys.stderr)
 
 
 def _say_built(index: dict, summary: str, output: str, report: str, replacing: bool) -> None:

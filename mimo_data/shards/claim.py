@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import sys
@@ -86,16 +87,23 @@ def _busy(output: str, holder: Claimant | None, lapses_in: float | None = None
     if lapses_in is None:           # a folder's lock: gone with its holder
         return OutputBusy(f"{output} is being written by {who}; wait for it to end, or choose "
                           "another --output")
-    lapse = (f"its claim lapses in about {max(1, round(lapses_in / 60))} minute(s), at "
-             f"{_when(time.time() + lapses_in)} by this host's clock")
+    lapse = ("its claim lapses in about " + (f"{math.ceil(lapses_in)} s" if lapses_in < 120
+                                                else f"{round(lapses_in / 60)} minutes") +
+             f", at {_when(time.time() + lapses_in)} by this host's clock")
     claim = storage.join(output, CLAIM_FILE)
-    if holder is not None and holder.host == socket.gethostname() and not _alive(holder.pid):
-        return OutputBusy(f"{output} was being written by {who}, which is no longer running "
-                          f"(killed): {lapse}; build again then (or now, once you delete "
-                          f"{claim}), or choose another --output")
+    if holder is not None and _ended(holder):
+        return OutputBusy(f"{output} was being written by {who}, which has ended without "
+                          f"giving its claim back (killed, or stopped by an error): {lapse}; "
+                          f"build again then (or now, once you delete {claim}), or choose "
+                          "another --output")
     return OutputBusy(f"{output} is being written by {who}; wait for it to end (if it was "
                       f"killed, {lapse}; if you are sure it is no longer running, delete "
                       f"{claim}), or choose another --output")
+
+
+def _ended(holder: Claimant) -> bool:
+    """Whether ``holder`` ran on this host, in a process that is gone."""
+    return holder.host == socket.gethostname() and not _alive(holder.pid)
 
 
 def _alive(pid: int) -> bool:
@@ -133,6 +141,11 @@ class Claim:
             holder = _read(self.remote, self._url)
             if holder is None or holder.token != self.mine.token:
                 self.lost, self._taken_by = True, holder
+        if self.lost and self._taken_by is None:
+            raise OutputBusy(
+                f"this run's claim {self._url} is gone (deleted, or the bucket or its prefix "
+                "was removed or reset meanwhile): it stopped without writing an index; look at "
+                f"{self.output}, then build again")
         if self.lost:
             raise OutputBusy(
                 f"{self._taken_by.said() if self._taken_by else 'another run'} took over "
@@ -188,11 +201,15 @@ class Claim:
                 etag = remote.written(url)[1]
         if holder is not None and holder.token != mine.token:
             age, stale = self._age(holder)
-            if age < STALE_S:
-                raise _busy(self.output, holder, lapses_in=STALE_S - age)
+            # a claim of this host's whose process is gone lapses once two renewals are
+            # missed (a live run of another host of the same name renews it meanwhile)
+            ended = _ended(holder)
+            lapse = min(2 * RENEW_S, STALE_S) if ended else STALE_S
+            if age < lapse:
+                raise _busy(self.output, holder, lapses_in=lapse - age)
             print(f"mimo-shard: taking over {self.output} from {holder.said()}, whose claim "
                   f"was last renewed {f'{age:.0f} s' if age < 120 else f'{age / 60:.0f} minutes'}"
-                  " ago (it was killed)",
+                  f" ago ({'its process has ended' if ended else 'it was killed'})",
                   file=sys.stderr)
             etag = self._take_over(stale)
             self.killed = holder
