@@ -242,7 +242,7 @@ def test_delta_net_layers_are_lora_targets():
     ``linear_proj``; a dense decoder has no ``in_proj`` to adapt: refused, not ignored."""
     from mimo_train.config import LoraConfig
     from mimo_train.errors import TrainConfigError
-    from mimo_train.model.lora import check_language_targets
+    from mimo_train.plan.lora_targets import check_language_targets
     from mimo_train.plan import Adapted
     from mimo_train.plan.parts import Part
 
@@ -264,7 +264,7 @@ def test_mixture_of_experts_layers_are_lora_targets():
     targets, the router is refused as one, and all-linear leaves the routed experts out."""
     from mimo_train.config import LoraConfig
     from mimo_train.errors import TrainConfigError
-    from mimo_train.model.lora import check_language_targets, language_linears
+    from mimo_train.plan.lora_targets import check_language_targets, language_linears
     from mimo_train.plan import Adapted
     from mimo_train.plan.parts import Part, reaches_routed_experts, target_matches
 

@@ -254,7 +254,7 @@ CASES = [
      ["model.lora={{language: {{rank: 0}}}}"], "config",
      ["model.lora.language.rank is 0", "it must be >= 1"]),
     ("lora target that names no layer", "default",
-     ["model.lora={{language: {{targets: [linear_qkvv]}}}}"], "model",
+     ["model.lora={{language: {{targets: [linear_qkvv]}}}}"], "config",
      ["model.lora.language.targets has 'linear_qkvv'", "names none of its linear layers",
       "decoder.layers.*.self_attention.linear_qkv"]),
     ("lora on a frozen part", "default",
@@ -536,6 +536,21 @@ def test_a_bucket_dataset_given_twice_in_two_spellings_is_refused(datasets):
             f"{datasets[1]} twice (first as {datasets[0]}) given: each of its samples would "
             "be drawn twice an epoch; give it once, with a larger weight")):
         DataSource(datasets, REPO / "configs" / "preprocess.yaml", weights=[1, 3])
+
+
+def test_a_cache_dir_that_takes_no_tables_is_refused_in_the_config_phase(tmp_path,
+                                                                        monkeypatch):
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.training.start_checks import _check_cache_dir
+    monkeypatch.delenv("MIMO_CACHE_DIR", raising=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(TrainConfigError, match=f"data.cache_dir {tmp_path}/file/c cannot be "
+                       r"made \(Not a directory\): give a folder this process can write to"):
+        _check_cache_dir(str(tmp_path / "file" / "c"))
+    _check_cache_dir(str(tmp_path / "made"))
+    assert (tmp_path / "made").is_dir()
+    monkeypatch.setenv("MIMO_CACHE_DIR", str(tmp_path))     # which replaces it: not looked at
+    _check_cache_dir(str(tmp_path / "file" / "c"))
 
 
 def test_a_copy_of_a_dataset_given_beside_it_is_refused(tmp_path, loader_corpus):

@@ -30,11 +30,12 @@ from mimo_train.mcore.language_loss import HostLabels, language_loss
 from mimo_train.mcore.context_parallel import SequenceShards
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore.layer_specs import language_block_spec
-from mimo_train.model.lora import add_adapters, check_language_targets, is_adapter
+from mimo_train.model.lora import add_adapters, is_adapter
 from mimo_train.model.parts import layer_offset, module_of, replace_module
 from mimo_train.model.tower_attention import set_attention
 from mimo_train.model.tower_fusions import fuse
 from mimo_train.plan import RunPlan
+from mimo_train.planning.adapters import check_run_targets
 from mimo_train.plan.encoders import EncoderSetting
 from mimo_train.plan.language import LanguagePlan, Vocabulary, vocab_rows
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
@@ -211,11 +212,7 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
     """``MimoModel`` with this rank's modules DDP-wrapped (``build_optimizer`` makes its
     ``MimoOptimizer``)."""
     layout, seed = plan.layout, plan.config.train.seed
-    arch = plan.language.arch
-    check_language_targets(plan.adapted, plan.language.num_layers, plan.language.experts,
-                           bool(arch and arch.shared_expert_ffn_hidden_size),
-                           frozenset(i for i in range(plan.language.num_layers)
-                                     if arch and arch.linear_layer(i)))
+    check_run_targets(plan)     # an encoder's LoRA targets, before any weight is read
     transformer = language_transformer_config(plan, device)
     # the encoders' DDP config: the language model's without its memory settings and
     # parallelism (megatron-core warns of experts under tp without sequence parallelism)

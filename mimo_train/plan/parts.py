@@ -23,6 +23,7 @@ from functools import lru_cache
 
 from mimo_data.errors import listed, meant
 from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_train.config import LoraConfig
 from mimo_train.errors import TrainConfigError
 
 # an encoder module's parts -> the prefix of their parameter names in the module
@@ -94,6 +95,13 @@ class Part:
         """Whether this entry takes in ``part`` (``language``, ``<module>.encoder`` or
         ``<module>.projection``)."""
         return self.name == part or (self.part is None and part.split(".")[0] == self.module)
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """A part under LoRA (``model.lora``) and its settings."""
+    part: Part
+    spec: LoraConfig
 
 
 def parse_parts(entries: Iterable[str], layout: Layout, key: str,

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_train.config import LoraConfig, OptimizerConfig, TrainConfig
+from mimo_train.config import OptimizerConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import VLM
 from mimo_train.families.preprocessing_fit import foreign_tokenizer
 from mimo_train.families.registry import read_vlm
 from mimo_train.plan.encoders import EncoderSetting, check_vlm_projections, encoder_settings
 from mimo_train.plan.language import LanguagePlan, language_plan
-from mimo_train.plan.parts import Part, check_module_names, parse_parts
+from mimo_train.plan.lora_targets import check_language_targets
+from mimo_train.plan.parts import Adapted, Part, check_module_names, parse_parts
 from mimo_train.plan.rules import Facts, Settings, check
 
 
@@ -42,13 +43,6 @@ class ModulePlan:
     warmup_steps: int
     warmup_note: str | None
     recompute: str
-
-
-@dataclass(frozen=True)
-class Adapted:
-    """A part under LoRA (``model.lora``) and its settings."""
-    part: Part
-    spec: LoraConfig
 
 
 @dataclass(frozen=True)
@@ -249,7 +243,9 @@ def _trains_nothing(plan: RunPlan, module: str) -> bool:
 def check_training(plan: RunPlan) -> None:
     """``TrainConfigError`` for a ``model.freeze`` entry that freezes nothing (a projection
     the model has none of), ``optimizer.modules`` settings of a module nothing of which
-    trains (they would be ignored), and a run in which nothing trains. The trainer's start-up
+    trains (they would be ignored), a run in which nothing trains, and a LoRA target of the
+    language model that names none of its linear layers (an encoder's: ``planning.adapters.
+    check_encoder_targets``, from its tower's layers). The trainer's start-up
     runs it, not ``resolve``: a checkpoint's saved config still exports and plans."""
     cfg = plan.config
     for part in plan.frozen:
@@ -270,6 +266,11 @@ def check_training(plan: RunPlan) -> None:
         raise TrainConfigError(
             f"model.freeze freezes every module ({', '.join(idle)}): nothing would train; "
             "unfreeze a module or adapt one with model.lora")
+    arch = plan.language.arch
+    check_language_targets(plan.adapted, plan.language.num_layers, plan.language.experts,
+                           bool(arch and arch.shared_expert_ffn_hidden_size),
+                           frozenset(i for i in range(plan.language.num_layers)
+                                     if arch and arch.linear_layer(i)))
 
 
 def _read_preprocess(cfg: TrainConfig) -> PreprocessConfig:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from mimo_data.loading.layout import LANGUAGE
 from mimo_train.plan import RunPlan
+from mimo_train.plan.lora_targets import check_targets
 from mimo_train.plan.parts import ROUTED_EXPERTS, reaches_routed_experts, target_matches
 from mimo_train.planning.dims import FULL, Linear, Stack, language_stack, projection_linears
 
@@ -143,6 +144,15 @@ def encoder_adapters(setting, projection: tuple[Linear, ...], part: str | None, 
     ``blocks.0.attn.qkv``), its projection (``projection``: by index, ``0``, ``2``) or both
     (None: named from the module's root, ``encoders.<modality>.encoder.model.blocks...``,
     ``input_projections.0.0``); ``setting``: its ``plan.encoders`` entry."""
+    names = encoder_linears(setting, projection, part)
+    return sum(rank * (inputs + outputs) for name, (inputs, outputs) in names.items()
+               if any(target_matches(t, name) for t in targets))
+
+
+def encoder_linears(setting, projection: tuple[Linear, ...], part: str | None
+                    ) -> dict[str, tuple[int, int]]:
+    """An encoder module's linear layers as its part's LoRA targets name them (``part``:
+    "encoder", "projection" or None, as ``encoder_adapters`` takes it): (in, out) features."""
     names: dict[str, tuple[int, int]] = {}
     if part in (None, "encoder"):
         head = "" if part else f"encoders.{setting.modality}.encoder.model."
@@ -151,8 +161,19 @@ def encoder_adapters(setting, projection: tuple[Linear, ...], part: str | None, 
         head = "" if part else "input_projections.0."
         names.update({f"{head}{2 * i}": (linear.inputs, linear.outputs)
                       for i, linear in enumerate(projection)})
-    return sum(rank * (inputs + outputs) for name, (inputs, outputs) in names.items()
-               if any(target_matches(t, name) for t in targets))
+    return names
+
+
+def check_encoder_targets(plan: RunPlan, projections: Mapping[str, tuple[Linear, ...]]
+                          ) -> None:
+    """``TrainConfigError`` for an encoder module's LoRA target that names none of its part's
+    linear layers (the tower's named from a build on the meta device): the trainer's refusal,
+    before any weight is read, and the layout advisor's."""
+    for each in plan.adapted:
+        if each.part.module != LANGUAGE:
+            check_targets(each, set(encoder_linears(
+                plan.encoders[each.part.module], projections.get(each.part.module, ()),
+                each.part.part)))
 
 
 def tower_linears(setting) -> dict[str, tuple[int, int]]:
@@ -181,6 +202,7 @@ def plan_adapters(plan: RunPlan, stack: Stack, projections: Mapping[str, tuple[L
     dims give."""
     language = LanguageAdapters()
     encoders: dict[str, int] = {}
+    check_encoder_targets(plan, projections)
     for each in plan.adapted:
         spec, module = each.spec, each.part.module
         targets = tuple(spec.targets)
@@ -196,7 +218,16 @@ def plan_adapters(plan: RunPlan, stack: Stack, projections: Mapping[str, tuple[L
 def run_adapters(plan: RunPlan) -> Adapters:
     """``plan_adapters`` with the dims read from ``plan`` alone, without the tokenizer (its
     size sets the output layer's rows, which take no adapter)."""
-    stack = language_stack(plan.language, 1)
-    return plan_adapters(plan, stack, {
-        name: projection_linears(setting.projection, setting.output_size, stack.hidden)
-        for name, setting in plan.encoders.items()})
+    return plan_adapters(plan, language_stack(plan.language, 1), _projections(plan))
+
+
+def check_run_targets(plan: RunPlan) -> None:
+    """``check_encoder_targets`` with the projections read from ``plan`` alone."""
+    check_encoder_targets(plan, _projections(plan))
+
+
+def _projections(plan: RunPlan) -> dict[str, tuple[Linear, ...]]:
+    """Each encoder module's projection's matmuls, from ``plan``."""
+    return {name: projection_linears(setting.projection, setting.output_size,
+                                     plan.language.hidden_size)
+            for name, setting in plan.encoders.items()}

@@ -71,7 +71,8 @@ def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | 
     ``--packing`` plan."""
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
-    from mimo_train.plan import resolve
+    from mimo_train.plan import check_training, resolve
+    from mimo_train.planning.adapters import check_run_targets
     if request.model.endswith((".yaml", ".yml")):
         if differs := preprocess_differs(request.model, request.config):
             raise ValueError(f"--model {request.model}: {differs}")
@@ -83,7 +84,10 @@ def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | 
         if conflict := _packing_conflict(request, cfg.data.packing):  # the plan is the run's
             raise ValueError(conflict)
         try:                    # as the trainer's start-up: its plan, then the checkpoint's fit
-            check_fit(resolve(cfg), config)
+            plan = resolve(cfg)
+            check_training(plan)
+            check_run_targets(plan)
+            check_fit(plan, config)
         except TrainConfigError as error:
             return str(error), cfg.data.packing, cfg.data.split_media
         except OSError as error:            # its tokenizer or checkpoint files unreadable

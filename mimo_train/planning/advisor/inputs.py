@@ -151,7 +151,7 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     ``TrainConfigError`` where the trainer would refuse the model with this preprocessing."""
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
-    from mimo_train.plan import resolve
+    from mimo_train.plan import check_training, resolve
     from mimo_train.planning.adapters import plan_adapters
     from mimo_train.planning.dims import from_plan
     modules = list(dict.fromkeys(modalities.values()))
@@ -198,6 +198,7 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
         cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"{key}={directory}",
                                       *overrides, f"train.precision={precision or 'bf16'}"])
     plan = resolve(cfg, preprocess)
+    check_training(plan)        # as the trainer's start-up (plan_adapters: the towers' targets)
     check_fit(plan, preprocess)
     try:
         dims = from_plan(plan, vocab_size)
