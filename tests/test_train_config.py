@@ -649,6 +649,11 @@ def test_checkpoint_interval_without_a_dir_is_noted_and_keep_last_is_checked():
                                    "checkpoint.dir=ck"]).checkpoint.note() is None
     assert TrainConfig.load(None, base).checkpoint.note() is None
     assert TrainConfig.load(None, [*base, "checkpoint.keep_last=2"]).checkpoint.keep_last == 2
+    # keep_last and async_save without a dir are as idle: said alike
+    assert TrainConfig.load(None, [*base, "checkpoint.keep_last=2", "checkpoint.async_save=true"]
+                            ).checkpoint.note() == (
+        "checkpoint.keep_last 2 and checkpoint.async_save true are set but checkpoint.dir is "
+        "not: no checkpoint will be saved (set checkpoint.dir to save)")
     with pytest.raises(TrainConfigError, match="checkpoint.keep_last"):
         TrainConfig.load(None, [*base, "checkpoint.keep_last=0"])
 

@@ -370,10 +370,15 @@ class CheckpointConfig:
     keep_last: Positive | None = None
 
     def note(self) -> str | None:
-        """A start-up note when ``interval`` is set but nothing can be saved."""
-        if self.interval and not self.dir:
-            return (f"checkpoint.interval {self.interval} is set but checkpoint.dir is not: "
-                    "no checkpoint will be saved (set checkpoint.dir to save)")
+        """A start-up note when ``interval``, ``keep_last`` or ``async_save`` is set but
+        nothing can be saved."""
+        given = [f"checkpoint.{key} {str(value).lower()}" for key, value in (
+            ("interval", self.interval), ("keep_last", self.keep_last),
+            ("async_save", self.async_save)) if value]
+        if given and not self.dir:
+            return (f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set but "
+                    "checkpoint.dir is not: no checkpoint will be saved (set checkpoint.dir "
+                    "to save)")
         return None
 
 

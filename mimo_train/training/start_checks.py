@@ -15,6 +15,7 @@ from mimo_data.loading.layout import Layout, LayoutError
 from mimo_data.loading.loader import given_twice, twice_said, variable_token_modalities
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
+from mimo_data.shards.cache import environment_cache
 from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
 from mimo_data.shards.index import (energon_dataset_of, energon_metadata_given,
                                     file_given_for_a_dataset, unindexed_tars,
@@ -57,6 +58,7 @@ def check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -
     to do: a file or an Energon folder given for a dataset, no index, a copy given twice),
     and for a layout that does not fit the world, the batch sizes or the modalities."""
     _check_each_once(cfg)
+    _check_cache_dir(cfg.data.cache_dir)
     for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
         for directory in directories:
             if storage.is_remote(directory):
@@ -99,6 +101,21 @@ def check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -
                         modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
     except LayoutError as error:
         raise LayoutError(f"{error}{_uneven_nodes()}") from None
+
+
+def _check_cache_dir(root: str | None) -> None:
+    """``data.cache_dir`` (where ``MIMO_CACHE_DIR`` does not replace it) a folder this rank
+    can keep tables in: said in the config phase, not in the data phase's first write."""
+    if not root or environment_cache():
+        return
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as error:        # a file in the way, no permission
+        raise TrainConfigError(f"data.cache_dir {root} cannot be made ({error.strerror}): give "
+                               "a folder this process can write to") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise TrainConfigError(f"data.cache_dir {root} takes no writes (read-only, or not "
+                               "this user's): give a folder this process can write to")
 
 
 def _uneven_nodes() -> str:
