@@ -646,9 +646,17 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
                             "--layout", LAYOUTS["language dp1"])
     assert code == 0 and alone == given, err
     assert err == (f"mimo-inspect plan: note: --model {tmp / 'mix.yaml'} trains data.datasets "
-                   f"{[str(loader_corpus), str(tmp / 'other')]} with data.weights [1, 3]; this "
+                   f"{loader_corpus}, {tmp / 'other'} with data.weights 1, 3; this "
                    f"plan counts {loader_corpus} alone (`python -m mimo_data.loading.dry_run` "
                    "plans the mix: its --weights, --balance and --packing as the run's)\n")
+    # batch sizes taken from the YAML are named as its keys, not as options not given
+    uneven = yaml.safe_load(variant.read_text())
+    uneven["train"].update(global_batch_size=8, micro_batch_size=3)
+    (tmp / "uneven.yaml").write_text(yaml.safe_dump(uneven))
+    code, _, err = _run(capsys, main, "plan", loader_corpus, "--model", tmp / "uneven.yaml",
+                        "--layout", LAYOUTS["language dp1"])
+    assert code == 2 and "error: train.global_batch_size 8 is not a whole number of " \
+        "micro-batches of train.micro_batch_size 3 (from --model " in err, err
     unset = yaml.safe_load(variant.read_text())
     unset["data"]["preprocess"] = "nowhere.yaml"              # a file that is not there
     (tmp / "unset.yaml").write_text(yaml.safe_dump(unset))
@@ -723,6 +731,21 @@ def test_plan_of_a_vlm_s_training_yaml_checks_its_preprocessing_as_the_trainer(
     code, out, err = _run(capsys, main, "plan", loader_corpus, "--model",
                           tmp_path / "train-own.yaml", "--layout", layout)
     assert code == 0 and "valid" in out, err
+    # what the trainer's config phase refuses beyond the plan itself: refused here too, by
+    # the layout's check and by the advisor (it ranked such runs and printed their command)
+    base = yaml.safe_load((tmp_path / "train-own.yaml").read_text())
+    for name, model, said in (
+            ("lora", {"lora": {"image.encoder": {"targets": ["attn.qkvv"]}}},
+             "model.lora.image.encoder.targets has 'attn.qkvv', which names none of its "
+             "linear layers"),
+            ("frozen", {"freeze": ["language", "image"]},
+             "model.freeze freezes every module (")):
+        (tmp_path / f"train-{name}.yaml").write_text(yaml.safe_dump(
+            {**base, "model": {**base["model"], **model}}))
+        for form in (("--layout", layout), ("--gpus", "2")):
+            code, _, err = _run(capsys, main, "plan", loader_corpus, "--model",
+                                tmp_path / f"train-{name}.yaml", *form)
+            assert code == 2 and said in err, (name, form, err)
 
 
 def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
@@ -931,7 +954,7 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
                           language_only, "--gpus", 2, "--global-batch-size", 8,
                           "--micro-batch-size", 3)
     assert code == 2 and "--global-batch-size 8 is not a whole number of micro-batches of " \
-        "--micro-batch-size 3" in err and "no layout fits" not in out, (out, err)
+        "--micro-batch-size 3: give" in err and "no layout fits" not in out, (out, err)
 
 
 # ------------------------------------------------------------------------------ Qwen3.5
@@ -2135,5 +2158,5 @@ def test_the_plan_takes_any_spelling_of_the_run_s_one_dataset_for_it(tmp_path):
         assert _other_data(args, {"data.datasets": [theirs], "data.weights": None}) is None
     args = SimpleNamespace(directory="s3://bucket/ds", model="run.yaml")
     assert _other_data(args, {"data.datasets": ["gs://bucket/ds"], "data.weights": None}) == \
-        "--model run.yaml trains data.datasets ['gs://bucket/ds']; this plan counts " \
+        "--model run.yaml trains data.datasets gs://bucket/ds; this plan counts " \
         "s3://bucket/ds alone"

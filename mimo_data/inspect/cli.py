@@ -37,6 +37,7 @@ import time
 # arguments are parsed, so that --help answers at once.
 from mimo_data.inspect.checks import CHECKS, Thresholds
 from mimo_data.arguments import at_least, fraction, positive, user_path
+from mimo_data.errors import listed
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 
@@ -413,6 +414,7 @@ def _take_run_settings(args, run_settings) -> int | None:
         given, theirs = getattr(args, name), settings[key]
         if given is None:
             setattr(args, name, theirs)
+            args.taken[option] = key
         elif given != theirs:
             print(f"mimo-inspect plan: error: {option} {given}, and --model {args.model} "
                   f"trains with {key} {theirs}: the plan would count another run; drop "
@@ -423,6 +425,12 @@ def _take_run_settings(args, run_settings) -> int | None:
     if args.directory is not None and (note := _other_data(args, settings)):
         print(f"mimo-inspect plan: note: {note}", file=sys.stderr)
     return None
+
+
+def _named(args, option: str) -> str:
+    """``option`` as the user gave it: the option, or the training YAML's key its value was
+    taken from (``_take_run_settings``)."""
+    return args.taken.get(option, option)
 
 
 def _other_data(args, settings: dict) -> str | None:
@@ -437,8 +445,8 @@ def _other_data(args, settings: dict) -> str | None:
             return None
     except LocationError:
         return None                 # a mistyped URL: said where the plan reads it
-    mix = f" with data.weights {weights}" if weights else ""
-    return (f"--model {args.model} trains data.datasets {datasets}{mix}; this plan counts "
+    mix = f" with data.weights {listed(weights)}" if weights else ""
+    return (f"--model {args.model} trains data.datasets {listed(datasets)}{mix}; this plan counts "
             f"{args.directory} alone" + (
                 " (`python -m mimo_data.loading.dry_run` plans the mix: its --weights, "
                 "--balance and --packing as the run's)"
@@ -452,6 +460,7 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
         print(f"mimo-inspect plan: not available in this installation ({exc})", file=sys.stderr)
         return 2
     clip = args.clip_seconds is not None
+    args.taken = {}     # option -> the training YAML's key its value was taken from
     if not clip and (args.fps is not None or args.clip_size is not None):
         print("mimo-inspect plan: error: --fps and --clip-size go with --clip-seconds",
               file=sys.stderr)
@@ -473,10 +482,12 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
               "(or --clip-seconds S for one clip, with --model M --gpus N)", file=sys.stderr)
         return 2
     if not clip and args.global_batch_size % args.micro_batch_size:    # each > 0: argparse
-        print(f"mimo-inspect plan: error: --global-batch-size {args.global_batch_size} is not a "
-              f"whole number of micro-batches of --micro-batch-size {args.micro_batch_size}: "
-              "give a global batch that is a multiple of micro batch × the language "
-              "module's dp", file=sys.stderr)
+        print(f"mimo-inspect plan: error: {_named(args, '--global-batch-size')} "
+              f"{args.global_batch_size} is not a whole number of micro-batches of "
+              f"{_named(args, '--micro-batch-size')} {args.micro_batch_size}"
+              + (f" (from --model {args.model})" if args.taken else "") + ": give a global "
+              "batch that is a multiple of micro batch × the language module's dp",
+              file=sys.stderr)
         return 2
     if args.gpus is None and args.model is not None and args.layout is not None and not clip:
         # one layout checked against the trainer's rules for that model, then drawn as below
