@@ -746,6 +746,15 @@ def test_plan_of_a_vlm_s_training_yaml_checks_its_preprocessing_as_the_trainer(
             code, _, err = _run(capsys, main, "plan", loader_corpus, "--model",
                                 tmp_path / f"train-{name}.yaml", *form)
             assert code == 2 and said in err, (name, form, err)
+    # a YAML whose own layout serves no video, which its preprocessing expands: the advisor
+    # still ranks the layouts that do, saying why the YAML's is not among them
+    (tmp_path / "train-novideo.yaml").write_text(yaml.safe_dump(
+        {**base, "layout": "image=dp1;language=dp1"}))
+    code, out, err = _run(capsys, main, "plan", loader_corpus, "--model",
+                          tmp_path / "train-novideo.yaml", "--gpus", "2")
+    assert code == 0 and "note: your layout image=dp1;language=dp1 is not ranked: the " \
+        "preprocessing config expands video markers but no module serves video" in err and \
+        "image=dp1,video;language=dp1" in out, (out, err)
 
 
 def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):

@@ -554,9 +554,17 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
                              args.packing)
         return advisor(AdvisorRequest.from_args(args), config, work)
     from mimo_data.inspect.workload import workload
-    from mimo_data.loading.layout import Layout
+    from mimo_data.loading.layout import Layout, LayoutError
     from mimo_data.loading.loader import DataSource
     layout = Layout.parse(args.layout) if args.layout else None
+    try:            # the modalities it serves (split_media: its dp is the advisor's to weigh)
+        if layout is not None:
+            layout.validate(layout.world_size, args.global_batch_size, args.micro_batch_size,
+                            modalities=config.modalities, split_media=True)
+    except LayoutError as error:        # the advisor chooses the layout: its own are ranked
+        print(f"mimo-inspect plan: note: your layout {args.layout} is not ranked: {error}",
+              file=sys.stderr)
+        args.layout = layout = None
     source = DataSource([args.directory], config, cache_dir=args.cache_dir,
                         progress=not args.no_progress)
     work = workload(source, config, args.global_batch_size, args.micro_batch_size,
