@@ -424,6 +424,16 @@ def test_a_speech_tower_beside_the_vlms_gets_a_projection_of_its_own(vlm_data):
                        f"tower is model.pretrained {VLM}'s, whose config gives its dims: drop "
                        "the key"):
         projections("model.encoders={image: {num_layers: 7}}")
+    # ... but a checkpoint's config saved by an earlier mimo, which wrote every encoder's
+    # dims as its defaults (and a profile past its steps), still rebuilds: mimo-export's read
+    saved = TrainConfig.load(None, [*common, "model.encoders={image: {recompute: full}}"]
+                             ).to_dict()
+    saved["model"]["encoders"]["image"].update(hidden_size=32, num_layers=1,
+                                               num_attention_heads=2)
+    saved["train"]["profile"] = {"dir": "p", "start": 50, "steps": 2, "trace": False,
+                                 "waits": False}
+    plan = resolve(TrainConfig.from_dict(saved), preprocess)
+    assert plan.encoders["image"].spec.pretrained == str(VLM)
     # Qwen2-VL's rotary takes heads of a multiple of 4 channels (14 failed in its forward)
     plain = ["data.datasets=[unused]", "layout=language=dp1;image=dp1",
              "model.language.mrope_section=[2, 3, 3]"]

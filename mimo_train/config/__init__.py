@@ -430,8 +430,19 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:
-        """The config ``to_dict`` wrote (a checkpoint's meta.json): paths already absolute."""
-        config = build(cls, copy.deepcopy(data), "")
+        """The config ``to_dict`` wrote (a checkpoint's meta.json): paths already absolute.
+        What an earlier mimo wrote that this one reads otherwise is read as that one meant
+        it: encoder dims it wrote as its defaults (``ENCODER_DEFAULTS``, beside a pretrained
+        tower too) unset, which gives a random tower the same; ``train.profile`` left out (a
+        saved run's profiling is no part of its model)."""
+        data = copy.deepcopy(data)
+        for entry in ((data.get("model") or {}).get("encoders") or {}).values():
+            for key, default in ENCODER_DEFAULTS.items():
+                if isinstance(entry, dict) and entry.get(key) == default:
+                    entry[key] = None
+        if isinstance(data.get("train"), dict):
+            data["train"]["profile"] = None
+        config = build(cls, data, "")
         config.validate()
         return config
 
