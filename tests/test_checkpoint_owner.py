@@ -22,6 +22,7 @@ from mimo_train.errors import CheckpointError
 
 def _claim_of(root, **fields) -> dict:
     claim = {"host": socket.gethostname(), "pid": 1, "boot": None, "start": None, "job": None,
+             "pid_namespace": checkpoint_owner._this_run()["pid_namespace"],
              "started": "earlier", **fields}
     (root / OWNER).write_text(json.dumps(claim))
     return claim
@@ -75,6 +76,20 @@ def test_another_hosts_claim_holds_while_it_is_renewed(tmp_path):
     os.utime(tmp_path / OWNER, (old, old))           # that run stopped renewing it: ended
     checkpoint_owner.claim(str(tmp_path))
     assert json.loads((tmp_path / OWNER).read_text())["host"] == socket.gethostname()
+
+
+def test_a_claim_of_this_host_name_in_another_pid_namespace_holds_while_renewed(tmp_path):
+    """Another container of this host's name (a pod on the host's network): its process ids
+    are not this one's to look up, so its run is another host's, not one that has ended."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    _claim_of(tmp_path, pid=ended.pid, pid_namespace="pid:[1]")
+    with pytest.raises(CheckpointError, match="its claim was renewed less than 10 minutes ago"):
+        checkpoint_owner.claim(str(tmp_path))
+    old = time.time() - checkpoint_owner.STALE_S - 1
+    os.utime(tmp_path / OWNER, (old, old))
+    checkpoint_owner.claim(str(tmp_path))
+    assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
 
 
 def test_the_same_job_takes_its_claim_over_anywhere(tmp_path, monkeypatch):

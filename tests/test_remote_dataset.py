@@ -387,9 +387,18 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     # STALE_S (renewals every 1.5 s here: 3 s)
     ended = subprocess.Popen(["true"])
     ended.wait()
-    here = claim.Claimant("here", "mimo-shard build", socket.gethostname(), ended.pid,
-                          time.time(), time.time())
     monkeypatch.setattr(claim, "RENEW_S", 1.5)
+    # ... where the claim names this host's name alone (another container of that name, on
+    # its network: its pids are not this one's), it is a live run's until STALE_S
+    fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", claim.Claimant(
+        "container", "mimo-shard build", socket.gethostname(), ended.pid, time.time(),
+        time.time()).encoded())
+    time.sleep(2 * claim.RENEW_S + 1)
+    code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
+    assert code == 1 and f"{url} is being written by mimo-shard build (pid {ended.pid} on " \
+        f"{socket.gethostname()}, started " in err, err
+    here = claim.Claimant("here", "mimo-shard build", claim.this_host(), ended.pid,
+                          time.time(), time.time())
     fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", here.encoded())
     code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
     assert code == 1 and f"was being written by mimo-shard build (pid {ended.pid} on " \

@@ -61,7 +61,7 @@ class Claimant:
     renewed: float
 
     def said(self) -> str:
-        return (f"{self.command} (pid {self.pid} on {self.host}, started "
+        return (f"{self.command} (pid {self.pid} on {self.host.partition(' ')[0]}, started "
                 f"{_when(self.started)})")
 
     def encoded(self) -> bytes:
@@ -103,7 +103,27 @@ def _busy(output: str, holder: Claimant | None, lapses_in: float | None = None
 
 def _ended(holder: Claimant) -> bool:
     """Whether ``holder`` ran on this host, in a process that is gone."""
-    return holder.host == socket.gethostname() and not _alive(holder.pid)
+    return holder.host == this_host() and not _alive(holder.pid)
+
+
+def this_host() -> str:
+    """This host as a claim names it: its name, then (Linux) its process-id namespace and
+    boot: containers of one host name (a pod on the host's network) and a host rebooted
+    since are other hosts, whose pids this process cannot look up. In the one ``host`` field
+    an earlier mimo reads (a field more would make it read the claim as none)."""
+    where = []
+    for path, read in (("/proc/self/ns/pid", os.readlink),
+                       ("/proc/sys/kernel/random/boot_id", _first_line)):
+        try:
+            where.append(read(path))
+        except OSError:         # not Linux: the name alone
+            return socket.gethostname()
+    return " ".join([socket.gethostname(), *where])
+
+
+def _first_line(path: str) -> str:
+    with open(path) as file:
+        return file.readline().strip()
 
 
 def _alive(pid: int) -> bool:
@@ -274,7 +294,7 @@ def held(output: str, command: str, remote: storage.Remote | None = None) -> Ite
     while the block runs. OutputBusy where another run holds it. Writing a URL's claim is the
     run's first write there: a missing bucket raises FileNotFoundError before anything else."""
     now = time.time()
-    mine = Claimant(uuid.uuid4().hex, command, socket.gethostname(), os.getpid(), now, now)
+    mine = Claimant(uuid.uuid4().hex, command, this_host(), os.getpid(), now, now)
     claim = Claim(output, remote, mine)
     if remote is None:
         with _locked(output, mine) as claim.killed:

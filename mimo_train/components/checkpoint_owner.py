@@ -7,10 +7,11 @@ host, process, start time and job), refreshes it while it trains (``refresh``), 
 is still its own before each save and before it moves ``latest`` (``lost``), and removes it
 when the run ends (``release``).
 
-At start-up (``claim``) a claim is taken over where its run has ended: on this host, its
-process (the same process id and start time since the same boot) is gone; on another host,
-which cannot be asked, its claim was not refreshed for ``STALE_S``. A claim of the same job
-(Slurm's job id, torchrun's run id: a requeue, an elastic restart) made on another host is
+At start-up (``claim``) a claim is taken over where its run has ended: on this host (and
+process-id namespace), its process (the same process id and start time since the same boot)
+is gone; on another host, which cannot be asked, its claim was not refreshed for
+``STALE_S``. A claim of the same job (Slurm's job id, torchrun's run id: a requeue, an
+elastic restart) made on another host is
 taken over at once; on this host, only once its process is gone, as any other's (two job
 steps of one allocation, say, would mix their checkpoints as two jobs would); a plain
 ``torchrun`` (no ``--rdzv-id``) names no job: its run id is "none" in every launch.
@@ -59,8 +60,13 @@ def _process(pid: int) -> dict:
 def _this_run() -> dict:
     job = next((f"{name}={os.environ[name]}" for name in _JOB_VARIABLES
                 if os.environ.get(name) not in (None, "", _NO_JOB.get(name))), None)
+    try:        # containers of one host name (pods on the host's network) number apart
+        namespace: str | None = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = None
     return {"host": socket.gethostname(), "pid": os.getpid(), **_process(os.getpid()),
-            "job": job, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            "pid_namespace": namespace, "job": job,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def _read(root: str) -> dict | None:
@@ -87,8 +93,10 @@ def _ours(found: dict, me: dict) -> bool:
 
 
 def _still_runs(found: dict, me: dict, root: str) -> bool:
-    """Whether the run that wrote ``found`` may still write ``root``."""
-    if found.get("host") != me["host"]:
+    """Whether the run that wrote ``found`` may still write ``root``: another host's (or
+    another process-id namespace's, whose processes this one cannot look up) until its claim
+    is stale, this host's while its process runs."""
+    if (found.get("host"), found.get("pid_namespace")) != (me["host"], me["pid_namespace"]):
         if found.get("job") and found.get("job") == me["job"]:
             return False                    # this job, requeued or restarted elsewhere
         try:
@@ -117,7 +125,8 @@ def check(root: str) -> None:
     found = _read(root)
     me = _this_run()
     if found and _still_runs(found, me, root):
-        other_host = found.get("host") != me["host"]
+        other_host = (found.get("host"), found.get("pid_namespace")) != \
+            (me["host"], me["pid_namespace"])
         restarted = me["job"] is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         raise CheckpointError(
             f"checkpoint.dir {root} is being written by another run ({_described(found)}"
