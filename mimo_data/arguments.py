@@ -16,16 +16,23 @@ def user_path(value: str) -> str:
     return os.path.expanduser(value)
 
 
-def at_least(minimum: int):
-    """An argparse type: a whole number >= ``minimum`` (argparse's "invalid whole number
-    value" for one that is not a number)."""
+def at_least(minimum: int, maximum: int | None = None):
+    """An argparse type: a whole number >= ``minimum`` (and <= ``maximum``; argparse's
+    "invalid whole number value" for one that is not a number)."""
     def parse(text: str) -> int:
         value = int(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{text} is below {minimum}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{text} is above {maximum}")
         return value
     parse.__name__ = "whole number"
     return parse
+
+
+# a seed as training takes one (train.seed): the --seed of the commands that plan or sample
+# as a run does (mimo-inspect plan, the dry run, mimo-generate)
+SEED = at_least(0, 2**32 - 1)
 
 
 def positive(kind):

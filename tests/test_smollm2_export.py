@@ -513,13 +513,15 @@ def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys, tmp
                  "--max-new-tokens", "8", "--device", "cpu"]) == 0
     assert capsys.readouterr().out == answer
     from mimo_train.hf.generate import _parser, _prompt_of
-    (tmp_path / "lines.txt").write_bytes(b"Line one.\r\nLine two.\r\n")   # Windows' lines
+    (tmp_path / "lines.txt").write_bytes(b"\xef\xbb\xbfLine one.\r\nLine two.\r\n")  # Notepad's
     assert _prompt_of(str(tmp_path / "lines.txt"), _parser()) == "Line one.\nLine two."
     (tmp_path / "blank.txt").write_text(" \n")
     for flags, said in ((["--prompt-file", str(tmp_path / "blank.txt")], "holds no text"),
                         (["--prompt-file", str(tmp_path / "gone.txt")], "cannot be read"),
                         (["--prompt", "Hi", "--prompt-file", str(tmp_path / "prompt.txt")],
                          "not allowed with argument"),
+                        (["--prompt", "Hi", "--temperature", "1", "--seed", str(2**64)],
+                         f"argument --seed: {2**64} is above 4294967295"),
                         *((["--prompt", "Hi", "--temperature", value], f"--temperature is "
                            f"{value}: it must be a finite number > 0") for value in ("0.0", "nan",
                                                                                    "inf"))):

@@ -36,7 +36,7 @@ import time
 # Only the light checks table here: the tokenizer, torch and pyarrow are imported once the
 # arguments are parsed, so that --help answers at once.
 from mimo_data.inspect.checks import CHECKS, Thresholds
-from mimo_data.arguments import at_least, fraction, positive, user_path
+from mimo_data.arguments import SEED, at_least, fraction, positive, user_path
 from mimo_data.errors import listed
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="samples per forward pass on one rank (required with DIR, unless a "
                    "training YAML as --model gives its train.micro_batch_size; with "
                    "--clip-seconds default 1)")
-    p.add_argument("--seed", type=int, help="sample-order seed (default: a training YAML's "
+    p.add_argument("--seed", type=SEED, help="sample-order seed (default: a training YAML's "
                    "train.seed as --model, else 0)")
     p.add_argument("--epoch", type=int, default=0, help="epoch to plan (default 0)")
     p.add_argument("--balance", choices=("none", "tokens"),

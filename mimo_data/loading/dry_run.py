@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mimo_data.arguments import user_path
+from mimo_data.arguments import SEED, user_path
 from mimo_data.shards.index import DatasetError
 from mimo_data.loading.balance import BALANCE
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", type=int, required=True)
     parser.add_argument("--world-size", type=int, help="default: the layout's ranks")
     parser.add_argument("--weights", type=float, nargs="+", help="blend weights, one a dataset")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=SEED, default=0)
     parser.add_argument("--epoch", type=int, default=0)
     parser.add_argument("--steps", type=int, help="first N steps only (default: the epoch)")
     parser.add_argument("--remainder", choices=("drop", "wrap"), default="drop")

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mimo_data.arguments import user_path
+from mimo_data.arguments import SEED, user_path
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.hf.export import MANIFEST
@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="sample at this temperature (default: greedy decoding)")
     parser.add_argument("--top-p", type=float, metavar="P",
                         help="nucleus sampling mass, with --temperature (default 1.0)")
-    parser.add_argument("--seed", type=int, metavar="S",
+    parser.add_argument("--seed", type=SEED, metavar="S",
                         help="random seed of the sampling, with --temperature (default 0)")
     parser.add_argument("--no-thinking", action="store_true",
                         help="render the generation prompt with the template's enable_thinking "
@@ -570,13 +570,14 @@ def _with_adapters(model, model_dir: str):
 
 
 def _prompt_of(path: str, parser: argparse.ArgumentParser) -> str:
-    """The prompt ``--prompt-file`` holds (standard input for ``-``), its last newline left
-    out (an editor's); a usage error where it cannot be read or holds no text."""
+    """The prompt ``--prompt-file`` holds (standard input for ``-``), its last newline and a
+    byte-order mark left out (an editor's); a usage error where it cannot be read or holds
+    no text."""
     try:
         if path == "-":
             text = sys.stdin.read()
         else:
-            with open(path, encoding="utf-8") as file:
+            with open(path, encoding="utf-8-sig") as file:     # Notepad's byte-order mark
                 text = file.read()
     except (OSError, UnicodeDecodeError) as exc:
         parser.error(f"--prompt-file {path}: cannot be read as UTF-8 text ({exc})")
