@@ -907,7 +907,11 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
              "(did you mean seq_length?); known: append_eos, "),
             ("max_pixels:", "max_pixel:", "modalities.image: unknown key(s) max_pixel "
              "(did you mean max_pixels?)"),
-            ("seq_length:", "zzz: 1\nseq_length:", "unknown top-level key(s) zzz; known")):
+            ("seq_length:", "zzz: 1\nseq_length:", "unknown top-level key(s) zzz; known"),
+            # a template's name as LLaMA-Factory takes one: no template (it rendered the name)
+            ("seq_length:", "chat_template: qwen2_vl\nseq_length:", "chat_template is "
+             "'qwen2_vl', neither Jinja (no { in it) nor a .jinja file: mimo takes the "
+             "template itself")):
         assert old in text
         given.write_text(text.replace(old, new, 1).replace(
             "../assets", str(REPO / "assets")))

@@ -306,6 +306,26 @@ def case_grounding_objects(tmp_path, assets):
     return Case(record, "malformed_record", detail="grounding 'objects'")
 
 
+def case_kto_undesirable(tmp_path, assets):
+    """A KTO example of an answer not to give (ms-swift's label: false; LLaMA-Factory's
+    kto_tag): supervised fine-tuning would train it as one to give."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["label"] = False
+    return Case(record, "malformed_record", detail="'label' is false: a KTO example of an "
+                "answer not to give")
+
+
+def case_preference_pair(tmp_path, assets):
+    """LLaMA-Factory's preference pair: the conversation ends on the user's turn, the answers
+    beside it (it was skipped as a conversation with no assistant turn)."""
+    record = _image_record(str(assets["jpeg"]))
+    record["conversations"] = record["conversations"][:1]
+    record.update(chosen={"from": "gpt", "value": "A cat."},
+                  rejected={"from": "gpt", "value": "A dog."})
+    return Case(record, "malformed_record", detail="'chosen' and 'rejected' beside the "
+                "conversation: a preference pair")
+
+
 def case_alpaca_record(tmp_path, assets):
     """A form mimo does not read (LLaMA-Factory's alpaca with images): the detail names the
     record's keys and the forms mimo reads."""

@@ -107,10 +107,15 @@ def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix
                                      .decode(), "path": None}],
             "conversations": chat("<image>\nWhat?", "A.")}, {
             "id": "bad", "images": [{"bytes": "not base64!", "path": None}],
-            "conversations": chat("<image>\nWhat?", "A.")}])
+            "conversations": chat("<image>\nWhat?", "A.")}, {
+            # ms-swift's image as base64 text alone ("/9j/4AAQ...": no path, no data: URL)
+            "id": "swift", "images": [base64.b64encode(assets["png"].read_bytes()).decode()],
+            "messages": [{"role": "user", "content": "<image>What?"},
+                         {"role": "assistant", "content": "A."}]}])
         code, _, err = cli_main(capsys, "build", encoded, "-o", tmp_path / "b64", "--no-progress")
-        assert code == 0 and _media(*_samples_by_id(tmp_path / "b64")["b64"], "image") == [
-            assets["jpeg"].read_bytes()]
+        b64 = _samples_by_id(tmp_path / "b64")
+        assert code == 0 and _media(*b64["b64"], "image") == [assets["jpeg"].read_bytes()]
+        assert _media(*b64["swift"], "image") == [assets["png"].read_bytes()]
         bad = read_json(tmp_path / "b64" / "report.json")["skipped_by_reason"]["malformed_record"]
         assert bad["first"][0]["detail"] == "media bytes 'not base64!', a string (how JSON " \
             "holds bytes: give base64, or a path), is not valid base64", bad
@@ -791,7 +796,8 @@ def test_openai_media_parts_name_their_media(tmp_path, assets):
         record("web", image("https://example.com/photo.jpg")),
         record("broken", image("data:image/jpeg;base64,@@@")),
         record("host", image("file://photo.jpg")),
-        record("noise", {"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}})])
+        record("noise", {"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}),
+        record("axolotl", {"type": "image", "base64": jpeg})])        # transformers' key
     build_dataset([path], tmp_path / "out")
     report = read_json(tmp_path / "out" / "report.json")
     skipped = report["skipped_by_reason"]
@@ -804,8 +810,8 @@ def test_openai_media_parts_name_their_media(tmp_path, assets):
     assert "(a data: URL's, or an input_audio part's)" in details[2]
     assert "names the host 'photo.jpg': a file URL is file:///absolute/path" in details[1]
     samples = _samples_by_id(tmp_path / "out")
-    assert sorted(samples) == ["audio", "data", "file", "path", "spaced", "wrapped"]
-    for key in ("data", "file", "path", "spaced", "wrapped"):
+    assert sorted(samples) == ["audio", "axolotl", "data", "file", "path", "spaced", "wrapped"]
+    for key in ("data", "file", "path", "spaced", "wrapped", "axolotl"):
         found, members = samples[key]
         assert found["messages"][0]["content"] == "<image>What is it?"
         assert _media(found, members, "image") == [assets["jpeg"].read_bytes()]

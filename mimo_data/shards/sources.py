@@ -159,8 +159,9 @@ _READ_COLUMN = "read that column with --{modality}-column {name}"
 
 def _part_keys(modality: str) -> tuple[str, ...]:
     """Keys of a transformers chat content part that may name its item, in the order
-    transformers reads them (``{"type": "image", "image": "photo.jpg"}``)."""
-    return (modality, "url", "path")
+    transformers reads them (``{"type": "image", "image": "photo.jpg"}``; ``base64``: its
+    bytes as base64 text, as axolotl writes them)."""
+    return (modality, "url", "path", "base64")
 
 
 def _media_parts(turns) -> Iterator[tuple[str, dict]]:
@@ -222,7 +223,10 @@ def _part_item(part: dict, kind: str):
     every reference is: ``validate``); OpenAI's ``{"type": "input_audio", "input_audio":
     {"data": <base64>, "format": "wav"}}`` as the ``data:`` URL of its bytes."""
     if kind in MODALITIES:
-        return next((part[key] for key in _part_keys(kind) if part.get(key) is not None), None)
+        key = next((key for key in _part_keys(kind) if part.get(key) is not None), None)
+        if key == "base64" and isinstance(part[key], str):     # bytes as text: never a path
+            return f"data:;base64,{part[key]}"
+        return None if key is None else part[key]
     value = part.get(kind)
     if kind == "input_audio":
         if not isinstance(value, dict) or not isinstance(value.get("data"), str):
@@ -437,6 +441,7 @@ class ConversationFile:
                                   "sentence, a null before it for each image whose "
                                   "matched_text_index it is, and 'images' parallel: the image's "
                                   "file at those nulls" if "text_list" in record else "") + ")")
+        _refuse_preference(record)
         key = "conversations" if record.get("conversations") is not None else "messages"
         turns = exchanges(as_turns(turns, f"its {key!r}"), media)
         media = with_part_items(media, turns, {
@@ -445,6 +450,26 @@ class ConversationFile:
         return RawRecord(id=_record_id(record.get("id")), turns=turns, media=media,
                          tools=tool_lists(record), system=record.get("system"),
                          objects=record.get("objects"))
+
+
+def _refuse_preference(record: dict) -> None:
+    """RecordError for a record of preference training, which supervised fine-tuning would
+    read wrongly: a KTO example marked undesirable (LLaMA-Factory's ``kto_tag``, ms-swift's
+    ``label``: false), whose answer would train as one to give, and LLaMA-Factory's pair of
+    ``chosen`` and ``rejected`` answers beside a conversation ending on the user's turn."""
+    flag = next((key for key in ("kto_tag", "label") if record.get(key) is False), None)
+    if flag:
+        raise RecordError("malformed_record", f"{flag!r} is false: a KTO example of an answer "
+                          "not to give, which supervised fine-tuning would train as one to "
+                          "give; leave the record out (or keep its context with the answer's "
+                          "'weight': 0)")
+    pair = [key for key in ("chosen", "rejected") if key in record]
+    if pair:
+        raise RecordError("malformed_record", f"{' and '.join(map(repr, pair))} beside the "
+                          "conversation: a preference pair (LLaMA-Factory's), which mimo does "
+                          "not train; for supervised fine-tuning on the chosen answer, append "
+                          "it to the conversation as its last assistant turn and leave "
+                          "'rejected' out")
 
 
 class SpeechManifest:

@@ -11,6 +11,7 @@ import base64
 import io
 import math
 import os
+import re
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -83,6 +84,11 @@ class MediaPolicy:
     defer_files: bool = False  # return MediaFile for files: worker processes pipe no bytes
     markers_first: bool = False   # ``records.media_markers``: place missing markers first
     frames_fps: float | None = None   # a video given as a folder of frames: shown so fast
+
+
+# a media reference that is base64 text, not a path: long, of base64's letters alone (a
+# path has a dot before its extension, which base64 never writes)
+_BASE64_ITEM = re.compile(r"[A-Za-z0-9+/\s]{256,}={0,2}\s*")
 
 
 def _base64(text: str, what: str) -> bytes:
@@ -166,6 +172,9 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None,
             empty = "its bytes are empty (0 bytes), and the path beside them: "
     elif isinstance(ref, (bytes, bytearray)):
         return bytes(ref), None, None, False
+    elif isinstance(ref, str) and _BASE64_ITEM.fullmatch(ref):
+        # an item's bytes as base64 text (ms-swift's images: "/9j/4AAQ..."), no path
+        return _base64(ref, f"media {ref[:40]!r}..."), None, None, False
     elif isinstance(ref, str):
         path = ref
     elif video and isinstance(ref, list) and ref and all(isinstance(p, str) for p in ref):
@@ -199,7 +208,9 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None,
                           "frames are read with --frames-fps, the rate they were taken at "
                           "(LLaVA-Hound's: 2, TVQA's: 3)") from None
     except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
-        raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
+        shown = f"{full[:200]!r}" + (f"... ({len(full)} characters)" if len(full) > 200 else "")
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise RecordError("missing_media", f"cannot read media file {shown}: {why}") from None
 
 
 def _frames_path(given: list[str]) -> str:
