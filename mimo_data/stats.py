@@ -23,7 +23,7 @@ def size_text(count: float) -> str:
         return f"{count:,.0f} bytes"
     scaled, unit = count / 1024, "KiB"
     for larger in ("MiB", "GiB", "TiB"):
-        if scaled < 1024:
+        if round(scaled, 1) < 1024:     # 1048575 bytes: 1.0 MiB, not 1024.0 KiB
             break
         scaled, unit = scaled / 1024, larger
     return f"{scaled:.1f} {unit}"

@@ -184,6 +184,7 @@ def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):
     from mimo_data.stats import size_text
     assert [size_text(_byte_size(t)) for t in ("1000", "1.5GB", "512MB", "0.5 KiB")] == [
         "1,000 bytes", "1.5 GiB", "512.0 MiB", "512 bytes"]
+    assert size_text(2**20 - 1) == "1.0 MiB"          # rounded up into the next unit
 
 
 def test_shard_failed_data_and_checks_exit_1(capsys, tmp_path, good_records):

@@ -367,8 +367,8 @@ def test_a_sample_too_long_for_its_videos_says_which_settings_shorten_it(media):
 
 
 @pytest.mark.parametrize("layout, expected", [
-    ("language=dp1;video=dp1", "serves ['video'], which no encoder takes on its own"),
-    ("language=dp1;image=dp1,audio", "serves ['audio', 'image']: give each its own encoder"),
+    ("language=dp1;video=dp1", "serves video, which no encoder takes on its own"),
+    ("language=dp1;image=dp1,audio", "serves audio, image: give each its own encoder"),
 ])
 def test_video_goes_to_a_tower_that_takes_it(layout, expected):
     from types import SimpleNamespace

@@ -18,6 +18,7 @@ from typing import cast
 
 import numpy as np
 
+from mimo_data.stats import size_text
 from mimo_data.preprocess.chat_tokens import ItemTokens, TextError
 from mimo_data.modalities import MODALITIES
 from mimo_data.inspect.stats import SampleInspector, SampleStats, expected_item_tokens
@@ -150,7 +151,7 @@ def format_runs(view: TokenView, color: bool) -> str:
 
 
 def _media_line(item: dict, tokens: int | None) -> str:
-    size = f"{item.get('bytes', 0) / 1000:.1f} kB"
+    size = size_text(item.get("bytes", 0))
     kind = MODALITIES.get(item.get("modality"))               # type: ignore[arg-type]
     what = kind.describe(item) if kind else "?"
     shown = "?" if tokens is None else tokens

@@ -257,10 +257,10 @@ class Layout:
         names = [m.name for m in self.modules]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise LayoutError(f"module(s) {duplicates} named twice; give each module once")
+            raise LayoutError(f"module(s) {listed(duplicates)} named twice; give each module once")
         if LANGUAGE not in names:
-            raise LayoutError(f"no {LANGUAGE!r} module in {names}: megatron-core's MimoModel "
-                              f"needs exactly one module named {LANGUAGE!r}")
+            raise LayoutError(f"no {LANGUAGE!r} module among {listed(names)}: megatron-core's "
+                              f"MimoModel needs exactly one module named {LANGUAGE!r}")
         defaults = {n: _default_modality(n) for n in names if n != LANGUAGE}
         mapping = {modality: n for n, modality in defaults.items() if modality}
         mapping.update(self.modalities)
@@ -269,7 +269,7 @@ class Layout:
                 raise LayoutError(f"modality {modality!r} unknown; use one of {MODALITIES}")
             if module not in names or module == LANGUAGE:
                 raise LayoutError(f"modality {modality!r} is mapped to {module!r}, which is "
-                                  f"not an encoder module of this layout ({names})")
+                                  f"not an encoder module of this layout ({listed(names)})")
         object.__setattr__(self, "modalities", dict(sorted(mapping.items())))
 
     # ----------------------------------------------------------------------------- parsing

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from mimo_data.stats import size_text
 from mimo_data.files import parquet_batches, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, claim, energon, sample_table, storage, swap
@@ -579,7 +580,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     cache_folder, key = sample_table.write_cache(built, staging)
     record_table.write(os.path.join(staging, RECORDS_FILE), cache_folder, key)
     workers = max(options.workers, 1)
-    rate = (f"{report.seen} records, {read / 1e6:.1f} MB read in {busy:.2f} worker-seconds: "
+    rate = (f"{report.seen} records, {size_text(read)} read in {busy:.2f} worker-seconds: "
             f"{report.seen / busy if busy else 0:.0f} records/s and "
-            f"{read / 1e6 / busy if busy else 0:.1f} MB/s per worker ({workers} worker(s))")
+            f"{size_text(read / busy if busy else 0)}/s per worker ({workers} worker(s))")
     return built, report.summary(), rate

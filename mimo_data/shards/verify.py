@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from mimo_data.errors import listed
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import storage
 from mimo_data.shards.format import INDEX_FILE, SAMPLES_FILE
@@ -170,10 +171,10 @@ def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict],
                 continue                    # left out by the indexing (its report counts it)
             row, record = expected.pop(prefix + sample.key)
             where = f"shard {shard['name']}: sample {sample.key}"
-            listed = [m["name"] for m in row["members"]]
-            if listed != list(sample.members):
-                problems.append(f"{where}: members {list(sample.members)}, the table lists "
-                                f"{listed}")
+            table = [m["name"] for m in row["members"]]
+            if table != list(sample.members):
+                problems.append(f"{where}: members {listed(sample.members)}, the table lists "
+                                f"{listed(table)}")
                 continue
             problems += _placed(where, sample, row)
             for item in record["media"]:
@@ -187,8 +188,8 @@ def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict],
 def _check_sample(shard_name, key, row, members) -> list[str]:
     where = f"shard {shard_name}: sample {key}"
     if set(members) != {m["name"] for m in row["members"]}:
-        return [f"{where}: members {sorted(members)}, the table lists "
-                f"{sorted(m['name'] for m in row['members'])}"]
+        return [f"{where}: members {listed(sorted(members))}, the table lists "
+                f"{listed(sorted(m['name'] for m in row['members']))}"]
     try:
         sample = json.loads(members["json"])
     except (KeyError, ValueError) as exc:

@@ -125,7 +125,7 @@ def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str],
     named = pretrained and "model.pretrained " not in changes     # else the changes name it
     return CheckpointError(
         f"checkpoint {directory} lacks {len(missing)} weight(s) of this rank's modules, e.g. "
-        f"{missing[:3]}: it was saved for another model (" + (
+        f"{listed(missing[:3])}: it was saved for another model (" + (
             f"model.pretrained {pretrained}, " if named else "") + f"its modules: {modules})"
         + changes)
 

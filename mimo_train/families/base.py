@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mimo_data.errors import listed
 from mimo_data.modalities.image import ImageConfig
 from mimo_train.errors import EncoderBuildError, TrainConfigError
 
@@ -320,7 +321,7 @@ class CheckpointWeights(Tensors):
             if prefix + name in self:
                 return prefix
         raise TrainConfigError(f"{self.key} {self.path} holds no {name} under any of "
-                               f"{list(prefixes)}: not a checkpoint of the family its config "
+                               f"{listed(prefixes)}: not a checkpoint of the family its config "
                                "names")
 
     def load_into(self, module: torch.nn.Module, prefix: str, what: str) -> None:

@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from mimo_data.errors import listed
 from mimo_data.hub import not_cached
 from mimo_data.preprocess.config import looks_like_path
 from mimo_train.checkpoint_folders import LATEST, META, step_of
@@ -56,7 +57,8 @@ def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
     """The encoder class named by ``kind``, in fp32; ``pretrained`` a model directory (or
     cached hub name), a whole VLM's among them (the encoder then gets its ``VLM``)."""
     if kind not in ENCODERS:
-        raise EncoderBuildError(f"encoder kind {kind!r} is unknown: use one of {sorted(ENCODERS)}")
+        raise EncoderBuildError(f"encoder kind {kind!r} is unknown: use one of "
+                                f"{listed(sorted(ENCODERS))}")
     source: str | VLM | None = pretrained
     if pretrained and _model_type(pretrained, "model.encoders.*.pretrained") in VLMS:
         source = read_vlm(pretrained, "model.encoders.*.pretrained")

@@ -65,6 +65,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
+from mimo_data.errors import listed
 from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
@@ -530,7 +531,8 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
     for name in [LANGUAGE, *plan.encoders]:
         if name not in weights:
             raise ExportError(f"{directory} has no weights for module {name!r} (it has "
-                              f"{sorted(weights)}): the checkpoint is incomplete", exit_code=1)
+                              f"{listed(sorted(weights))}): the checkpoint is incomplete",
+                              exit_code=1)
     manifest: dict = {"step": step, "checkpoint": os.path.abspath(directory),
                       "preprocess": PREPROCESS}
     if cfg.model.pretrained:                # a whole VLM, written back as its own class

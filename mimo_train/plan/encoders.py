@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from mimo_data.errors import listed
 from mimo_data.loading.layout import Layout, LayoutError
 from mimo_train.config import ENCODER_DEFAULTS, EncoderConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
@@ -66,12 +67,12 @@ def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | No
         spec = cfg.model.encoders.get(module.name) or EncoderConfig()
         own = [m for m in served if m in OWN_MODALITIES]
         if len(own) > 1:
-            raise TrainConfigError(f"encoder module {module.name!r} serves {own}: give each "
-                                   "its own encoder module")
+            raise TrainConfigError(f"encoder module {module.name!r} serves {listed(own)}: give "
+                                   "each its own encoder module")
         if not own:
             raise TrainConfigError(
-                f"encoder module {module.name!r} serves {served}, which no encoder takes on "
-                "its own: serve them from the module of an encoder that also takes them (the "
+                f"encoder module {module.name!r} serves {listed(served)}, which no encoder takes "
+                "on its own: serve them from the module of an encoder that also takes them (the "
                 "Qwen2-VL towers take video beside images: image=dp1,video)")
         modality = own[0]
         modality_config = preprocess.modalities[modality]

@@ -19,6 +19,7 @@ from fractions import Fraction
 import av
 from PIL import Image
 
+from mimo_data.errors import listed
 from mimo_data.modalities.base import MediaError
 from mimo_data.modalities.video.config import MAX_VIDEO_SECONDS
 
@@ -74,7 +75,8 @@ def frames_list_clip(paths: list[str], fps: float) -> bytes:
         except (OSError, ValueError) as exc:          # PIL's UnidentifiedImageError too
             raise MediaError("corrupt_video", f"frame {path}: {exc}") from None
     if len(sizes) > 1:
-        raise MediaError("corrupt_video", f"the frames differ in size {sorted(sizes)[:3]}: a "
+        raise MediaError("corrupt_video", "the frames differ in size ("
+                         f"{listed(f'{w}x{h}' for w, h in sorted(sizes)[:3])}): a "
                          "clip's frames have one")
     (width, height), = sizes
     rate = Fraction(fps).limit_denominator(1001)

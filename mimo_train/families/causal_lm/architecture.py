@@ -11,6 +11,7 @@ from functools import lru_cache
 
 import torch
 
+from mimo_data.errors import listed
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import (VLM, CheckpointWeights, checkpoint_value,
                                       loaded_weight_files, model_directory)
@@ -178,7 +179,8 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
                                "Qwen3-VL-MoE's fused experts are mapped")
     if family not in FAMILIES:
         raise TrainConfigError(f"{key}: {path} is a {family!r} model; the language model can "
-                               f"be built from {sorted(FAMILIES)} checkpoints (or a whole VLM's "
+                               f"be built from {listed(sorted(FAMILIES))} checkpoints (or a whole "
+                               "VLM's "
                                "of those)")
 
     def value(name: str):
@@ -244,7 +246,7 @@ def _unmapped(config, family: str) -> list[str]:
     if family in HYBRID:
         kinds = set(getattr(config, "layer_types", None) or ())
         if not kinds <= {LINEAR, FULL}:
-            problems.append(f"layer_types {sorted(kinds - {LINEAR, FULL})}")
+            problems.append(f"layer_types {listed(sorted(kinds - {LINEAR, FULL}))}")
         if getattr(config, "attn_output_gate", True) is False:
             problems.append("attn_output_gate false (transformers' Qwen3.5 gates every "
                             "attention output)")
