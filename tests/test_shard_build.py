@@ -226,3 +226,7 @@ def test_info_text_names_the_counts(capsys, corpus_build, corpus_expected):
     size = json.loads((corpus_build / "index.json").read_text())["totals"]["bytes"]
     assert any(line.startswith("samples") and line.endswith(f"shard(s), {size_text(size)}")
                and "iB" in line for line in first), first
+    # summaries to two decimals (a percentile between two clips' durations had six digits)
+    import re
+    summaries = [line for line in first if " p90 " in line]
+    assert summaries and not any(re.search(r"\d\.\d{3}", line) for line in summaries), first

@@ -400,6 +400,7 @@ train: {steps: 20}
     (["train.profile={dir: p, start: 50}"], "train.profile covers steps 50..51, past "
      "train.steps 20: the run would end before the profile does and write none"),
     (["train.seed=-1"], "train.seed is -1: it must be in [0, 4294967295]"),
+    (["train.steps=1e3"], "train.steps is '1e3' (str): it must be int (write it as 1000)"),
     (["train.seed=99999999999999999999999"], "train.seed is 99999999999999999999999: it must "
      "be in [0, 4294967295]"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")

@@ -721,9 +721,11 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     is a whole JSON object is JSONL (NeMo names its manifests so); JSONL is a speech manifest
     when its first well-formed record has ``audio_filepath``."""
     if storage.is_remote(path):
+        bucket = path.partition("://")[0] in ("s3", "gs", "gcs", "az", "abfs")
         raise SourceError(f"{path}: mimo-shard build reads its inputs from local files (its "
                           "--output may be a bucket): copy the records' files and their media "
-                          "here first (e.g. aws s3 sync s3://BUCKET/raw/ raw/); tars in a bucket "
+                          "here first" + (" (e.g. aws s3 sync s3://BUCKET/raw/ raw/, gsutil -m "
+                                          "rsync)" if bucket else "") + "; tars in a bucket "
                           "are indexed where they are with mimo-shard index")
     if os.path.isdir(path):
         raise SourceError(f"{path}: is a folder; give the records' files (JSON, JSONL, Parquet "

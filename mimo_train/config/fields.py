@@ -143,7 +143,18 @@ def _scalar(kind: type, value: Any, key: str) -> Any:
     elif isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool):
         return value
     raise TrainConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
-                           f"{_name(kind)}")
+                           f"{_name(kind)}{_whole_hint(kind, value)}")
+
+
+def _whole_hint(kind: type, value: Any) -> str:
+    """How to write a whole number given as ``1e3`` (YAML's string) or ``1000.0``."""
+    if kind is not int or isinstance(value, bool) or not isinstance(value, (str, float)):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    return f" (write it as {int(number)})" if number.is_integer() else ""
 
 
 def _bare(kind: Any) -> Any:
