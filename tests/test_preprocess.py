@@ -219,7 +219,7 @@ def test_truncate_turns_removes_whole_trailing_turns(records, plain):
                      with_media=False)(record)
     assert dropped.value.detail.startswith(
         f"{full_length} tokens, above seq_length {first_length - 2} even with only its "
-        f"first turns ({first_length} tokens up to its first answer)")
+        f"first turns ({first_length} tokens up to its first trained answer)")
     # an image that is most of a sample too long: what lowers its tokens, with the values
     pictured = next(r for r in records if [m["modality"] for m in r["media"]] == ["image"])
     with pytest.raises(SampleDropped) as dropped:

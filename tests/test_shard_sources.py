@@ -632,6 +632,13 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     assert code == 2 and f"{wrapped}: expected a JSON array of records, got a JSON object " \
         f"holding a list under 'data': give that list as the file (e.g. jq '.data' {wrapped} > " \
         "records.json)" in err, err
+    # LLaMA-Factory's dataset_info.json given for the data: said what it is
+    registry = tmp_path / "dataset_info.json"
+    registry.write_text(json.dumps({"mllm_demo": {"file_name": "mllm_demo.json",
+                                                  "formatting": "sharegpt"}}))
+    code, _, err = cli_main(capsys, "build", registry, "-o", tmp_path / "no", "--no-progress")
+    assert code == 2 and "got a JSON object: LLaMA-Factory's dataset_info.json, which names " \
+        "datasets' files; give the files it names" in err, err
     # records saved as UTF-16 (Windows Notepad's "Unicode"): refused, saying how to convert
     wide = tmp_path / "wide.jsonl"
     wide.write_bytes((tmp_path / "parts" / "train-1.ndjson").read_text().encode("utf-16"))

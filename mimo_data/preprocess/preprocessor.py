@@ -289,7 +289,7 @@ class Preprocessor:
                             (" (a document is never cut: split it, or raise seq_length)"
                              if kind == "document" else
                              f" even with only its first turns ({shortest} tokens up to its "
-                             "first answer)" if messages and
+                             "first trained answer)" if messages and
                              self.config.length_policy == "truncate_turns" else "") +
                             (f"; {videos} of them its videos': {self._video_advice()}, or "
                              "raise seq_length" if 2 * videos > self.config.seq_length else "") +

@@ -377,11 +377,18 @@ class ConversationFile:
         if not isinstance(records, list):
             inside = [key for key, value in records.items() if isinstance(value, list)] \
                 if isinstance(records, dict) else []
+            # LLaMA-Factory's dataset_info.json: each dataset's file_name, its column mapping
+            registry = isinstance(records, dict) and records and all(
+                isinstance(value, dict) and "file_name" in value for value in records.values())
             raise SourceError(f"{self.path}: expected a JSON array of records, "
                               f"got a JSON {json_type(records)}" + (
                                   f" holding a list under {inside[0]!r}: give that list as the "
                                   f"file (e.g. jq '.{inside[0]}' {self.path} > records.json)"
-                                  if len(inside) == 1 else ""))
+                                  if len(inside) == 1 else
+                                  ": LLaMA-Factory's dataset_info.json, which names datasets' "
+                                  "files; give the files it names (their keys named as mimo "
+                                  "reads them: docs/preprocessing.md, 'Coming from "
+                                  "LLaMA-Factory')" if registry else ""))
         return records
 
     def record_id(self, task: Task) -> str | None:
