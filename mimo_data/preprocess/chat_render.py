@@ -255,7 +255,8 @@ class ChatRenderer:
             why = ("caption mode has no template" if self.template is None else
                    f"it fails on a conversation that uses them: {self._tool_probe_error}"
                    if self._tool_probe_error else
-                   "give a chat_template that writes tool use, as Qwen3.5's does")
+                   "give a chat_template that writes tool use: for a Qwen model, Qwen3-VL's "
+                   "or Qwen3.5's, whose <tool_call> turns Qwen2.5-Instruct's write too")
             raise TextError("tool_use", f"the conversation uses tools but the chat template "
                             f"writes no {' and no '.join(missing)} ({why}, or leave such "
                             "records out)")
