@@ -322,8 +322,8 @@ def case_preference_pair(tmp_path, assets):
     record["conversations"] = record["conversations"][:1]
     record.update(chosen={"from": "gpt", "value": "A cat."},
                   rejected={"from": "gpt", "value": "A dog."})
-    return Case(record, "malformed_record", detail="'chosen' and 'rejected' beside the "
-                "conversation: a preference pair")
+    return Case(record, "malformed_record", detail="'chosen' and 'rejected' beside a "
+                "conversation ending on the user's turn: a preference pair")
 
 
 def case_alpaca_record(tmp_path, assets):

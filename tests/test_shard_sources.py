@@ -635,7 +635,7 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     # LLaMA-Factory's dataset_info.json given for the data: said what it is
     registry = tmp_path / "dataset_info.json"
     registry.write_text(json.dumps({"mllm_demo": {"file_name": "mllm_demo.json",
-                                                  "formatting": "sharegpt"}}))
+                                                  "formatting": "sharegpt"}}, indent=2))
     code, _, err = cli_main(capsys, "build", registry, "-o", tmp_path / "no", "--no-progress")
     assert code == 2 and "got a JSON object: LLaMA-Factory's dataset_info.json, which names " \
         "datasets' files; give the files it names" in err, err
@@ -895,3 +895,34 @@ def test_a_table_of_documents_and_conversations_asks_which_it_is(tmp_path, capsy
     code, _, err = cli_main(capsys, "build", tmp_path / "merged.parquet", "-o",
                             tmp_path / "out", "--no-progress", "--messages-column", "messages")
     assert code == 0 and read_json(tmp_path / "out" / "report.json")["samples_written"] == 2, err
+
+
+def test_preference_rows_are_refused_in_json_and_parquet_alike(tmp_path):
+    """A KTO row marked undesirable (its answer would train as one to give) is refused from a
+    Parquet table as from JSONL, and so is a chosen/rejected pair beside a conversation that
+    ends on the user's turn; null preference fields (a merged export's) and a conversation
+    that ends on its answer are kept."""
+    def turns(*texts):
+        return [{"role": role, "content": text}
+                for role, text in zip(("user", "assistant"), texts)]
+    rows = [(turns("Is it a dog?", "It is a cat."), False, None, None),
+            (turns("Is it a dog?"), None, "It is a cat.", "It is a dog."),
+            (turns("Is it a dog?", "No, a cat."), None, None, None),
+            (turns("Is it a cat?", "Yes."), True, None, None)]
+    table = pa.table({"messages": [json.dumps(r[0]) for r in rows],
+                      "label": [r[1] for r in rows], "chosen": [r[2] for r in rows],
+                      "rejected": [r[3] for r in rows]})
+    pq.write_table(table, tmp_path / "kto.parquet")
+    write_jsonl(tmp_path / "kto.jsonl", [
+        {"messages": r[0], **{k: v for k, v in zip(("label", "chosen", "rejected"), r[1:])}}
+        for r in rows])
+    for name in ("kto.parquet", "kto.jsonl"):
+        build_dataset([tmp_path / name], tmp_path / f"out-{name}")
+        report = read_json(tmp_path / f"out-{name}" / "report.json")
+        details = [entry["detail"] for entry in
+                   report["skipped_by_reason"]["malformed_record"]["first"]]
+        assert report["samples_written"] == 2 and len(details) == 2, (name, report)
+        assert details[0].startswith("'label' is false: a KTO example of an answer not to "
+                                     "give"), details
+        assert details[1].startswith("'chosen' and 'rejected' beside a conversation ending on "
+                                     "the user's turn: a preference pair"), details

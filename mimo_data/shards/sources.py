@@ -448,7 +448,7 @@ class ConversationFile:
                                   "sentence, a null before it for each image whose "
                                   "matched_text_index it is, and 'images' parallel: the image's "
                                   "file at those nulls" if "text_list" in record else "") + ")")
-        _refuse_preference(record)
+        _refuse_preference(record, turns)
         key = "conversations" if record.get("conversations") is not None else "messages"
         turns = exchanges(as_turns(turns, f"its {key!r}"), media)
         media = with_part_items(media, turns, {
@@ -459,24 +459,30 @@ class ConversationFile:
                          objects=record.get("objects"))
 
 
-def _refuse_preference(record: dict) -> None:
+# the keys of preference training's records (KTO's flags, a preference pair's answers)
+PREFERENCE_KEYS = ("kto_tag", "label", "chosen", "rejected")
+
+
+def _refuse_preference(record: dict, turns) -> None:
     """RecordError for a record of preference training, which supervised fine-tuning would
     read wrongly: a KTO example marked undesirable (LLaMA-Factory's ``kto_tag``, ms-swift's
     ``label``: false), whose answer would train as one to give, and LLaMA-Factory's pair of
-    ``chosen`` and ``rejected`` answers beside a conversation ending on the user's turn."""
+    ``chosen`` and ``rejected`` answers beside ``turns`` ending on the user's turn."""
     flag = next((key for key in ("kto_tag", "label") if record.get(key) is False), None)
     if flag:
         raise RecordError("malformed_record", f"{flag!r} is false: a KTO example of an answer "
                           "not to give, which supervised fine-tuning would train as one to "
                           "give; leave the record out (or keep its context with the answer's "
-                          "'weight': 0)")
-    pair = [key for key in ("chosen", "rejected") if key in record]
-    if pair:
-        raise RecordError("malformed_record", f"{' and '.join(map(repr, pair))} beside the "
-                          "conversation: a preference pair (LLaMA-Factory's), which mimo does "
-                          "not train; for supervised fine-tuning on the chosen answer, append "
-                          "it to the conversation as its last assistant turn and leave "
-                          "'rejected' out")
+                          f"'weight': 0); where {flag!r} means something else, rename it")
+    last = turns[-1] if isinstance(turns, list) and turns else None
+    role = last.get("role", last.get("from")) if isinstance(last, dict) else None
+    if record.get("chosen") is not None and record.get("rejected") is not None and \
+            str(role).lower() in ("user", "human"):
+        raise RecordError("malformed_record", "'chosen' and 'rejected' beside a conversation "
+                          "ending on the user's turn: a preference pair (LLaMA-Factory's), "
+                          "which mimo does not train; for supervised fine-tuning on the chosen "
+                          "answer, append it to the conversation as its last assistant turn "
+                          "and leave 'rejected' out")
 
 
 class SpeechManifest:
@@ -578,6 +584,8 @@ class ParquetTable:
         # that a row whose items are there alone is refused, naming the flag that reads them
         self.unread = {modality: name for modality, name in _unread_media_names(
             sorted(names), set()).items() if not self.columns[media_field(modality)]}
+        # preference training's columns, read to refuse its rows (``_refuse_preference``)
+        self.preference = tuple(name for name in PREFERENCE_KEYS if name in names)
         found = [role for role in ("texts", "conversation", "caption") if self.columns[role]]
         if not found:
             # a speech table's transcript column, as the hub's ASR sets name it
@@ -637,7 +645,8 @@ class ParquetTable:
     def load(self, task: Task) -> RawRecord:
         group, offset = task.locator
         columns = tuple(dict.fromkeys((*(c for c in self.columns.values() if c),
-                                       *self.single.values(), *self.unread.values())))
+                                       *self.single.values(), *self.unread.values(),
+                                       *self.preference)))
         record = _read_row_group(self.path, group, columns)[offset]
         column = self.columns
         record_id = _record_id(record.get(column["id"])) if column["id"] else None
@@ -655,6 +664,7 @@ class ParquetTable:
                              text=record[column["caption"]])
         turns = record[column["conversation"]]
         turns = _json_value(turns) if isinstance(turns, (str, bytes)) else _without_nulls(turns)
+        _refuse_preference(record, turns)
         turns = exchanges(as_turns(turns, f"its column {column['conversation']!r}"), media)
         media = with_part_items(media, turns, {
             name: _as_list(record.get(column[media_field(name)])) for name in MODALITIES
