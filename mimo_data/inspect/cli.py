@@ -557,10 +557,9 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
     from mimo_data.loading.layout import Layout, LayoutError
     from mimo_data.loading.loader import DataSource
     layout = Layout.parse(args.layout) if args.layout else None
-    try:            # the modalities it serves (split_media: its dp is the advisor's to weigh)
+    try:            # the workload names modules as it does: it must serve the modalities
         if layout is not None:
-            layout.validate(layout.world_size, args.global_batch_size, args.micro_batch_size,
-                            modalities=config.modalities, split_media=True)
+            layout.check_serves(config.modalities)
     except LayoutError as error:        # the advisor chooses the layout: its own are ranked
         print(f"mimo-inspect plan: note: your layout {args.layout} is not ranked: {error}",
               file=sys.stderr)

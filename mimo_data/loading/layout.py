@@ -463,27 +463,7 @@ class Layout:
                                   "other (the bridge fans each encoder DP rank out to, or in "
                                   "from, a whole number of language DP ranks); change either dp")
         if modalities is not None:
-            self.check_expanded(modalities)
-        for modality in modalities or ():
-            if modality not in self.modalities:
-                default = (" (a config without a modalities key expands images and audio: "
-                           "'modalities: {}' is text only)" if modality in ("image", "audio")
-                           else "")
-                serve = ("add video to the module of the tower that takes it (a Qwen-family "
-                         "tower serves images and video: 'image=dp1,video;language=dp1')"
-                         if modality == "video" else
-                         f"add an encoder module (e.g. '{modality}=dp1')")
-                # a module named close to the modality ('imag'): a misspelt name, not a
-                # missing module
-                close = difflib.get_close_matches(
-                    modality, [m.name for m in self.encoders], n=1, cutoff=0.75)
-                typo = (f" (module {close[0]!r} is named close to {modality!r}: a module "
-                        f"named {modality!r} serves {modality})") if close else ""
-                raise LayoutError(f"the preprocessing config expands {modality} markers but no "
-                                  f"module serves {modality}{typo}: {serve} or "
-                                  f"remove modalities.{modality} from the config{default}: "
-                                  f"samples with {modality} items are then dropped, and "
-                                  "counted")
+            self.check_serves(modalities)
         self._validate_batches(global_batch_size, micro_batch_size, split_media)
         for modality in variable_count_modalities:
             name = self.modalities.get(modality)
@@ -505,6 +485,31 @@ class Layout:
                     f"variable token count per sample into {LANGUAGE!r} (dp {language.dp}): "
                     "megatron-core 0.19's colocated bridge splits encoder output evenly, which "
                     f"needs equal token counts per sample. {fix}{fixed}")
+
+    def check_serves(self, modalities) -> None:
+        """LayoutError unless the layout serves exactly the modalities the preprocessing
+        config expands (``modalities``): each by a module, and no module one it does not."""
+        self.check_expanded(modalities)
+        for modality in modalities:
+            if modality not in self.modalities:
+                default = (" (a config without a modalities key expands images and audio: "
+                           "'modalities: {}' is text only)" if modality in ("image", "audio")
+                           else "")
+                serve = ("add video to the module of the tower that takes it (a Qwen-family "
+                         "tower serves images and video: 'image=dp1,video;language=dp1')"
+                         if modality == "video" else
+                         f"add an encoder module (e.g. '{modality}=dp1')")
+                # a module named close to the modality ('imag'): a misspelt name, not a
+                # missing module
+                close = difflib.get_close_matches(
+                    modality, [m.name for m in self.encoders], n=1, cutoff=0.75)
+                typo = (f" (module {close[0]!r} is named close to {modality!r}: a module "
+                        f"named {modality!r} serves {modality})") if close else ""
+                raise LayoutError(f"the preprocessing config expands {modality} markers but no "
+                                  f"module serves {modality}{typo}: {serve} or "
+                                  f"remove modalities.{modality} from the config{default}: "
+                                  f"samples with {modality} items are then dropped, and "
+                                  "counted")
 
     def check_expanded(self, modalities) -> None:
         """LayoutError for an encoder module serving a modality outside ``modalities`` (the
