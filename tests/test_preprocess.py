@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
+import shutil
 
 import pytest
 import torch
@@ -895,6 +896,26 @@ def test_a_model_given_for_the_preprocessing_config_says_how_to_make_one(tmp_pat
             "`mimo-train --preprocessing-for MODEL_DIR > preprocess.yaml`")
 
 
+def test_chat_template_takes_a_template_or_one_the_tokenizer_names(tmp_path):
+    """``chat_template``: Jinja, a file, or the name of one of the tokenizer's templates
+    (``additional_chat_templates/``); another tool's template name (LLaMA-Factory's
+    ``template: qwen2_vl``) is refused, naming the tokenizer's (it was rendered as the text)."""
+    from mimo_data.errors import ConfigError
+    from mimo_data.preprocess.tokenizer_loading import chat_template, load_tokenizer
+    shutil.copytree(REPO / "assets" / "tokenizer" / "smollm2", tmp_path / "tok")
+    (tmp_path / "tok" / "additional_chat_templates").mkdir()
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "tok" / "additional_chat_templates" / "plain.jinja").write_text(plain)
+    config = PreprocessConfig.from_dict({"tokenizer": str(tmp_path / "tok"),
+                                         "chat_template": "plain"})
+    assert chat_template(config, load_tokenizer(config)) == plain
+    wrong = dataclasses.replace(config, chat_template="qwen2_vl")
+    with pytest.raises(ConfigError, match=r"chat_template is 'qwen2_vl', neither Jinja \(no "
+                       r"\{ in it\), a template file, nor a template the tokenizer names "
+                       r"\(default, plain\)"):
+        chat_template(wrong, load_tokenizer(wrong))
+
+
 def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant(tmp_path):
     """A YAML's misspelt key: its file, the key, and the known key it most likely meant (none
     for a key close to nothing); a YAML that is not there: the file, not a raw OSError; an
@@ -907,11 +928,7 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
              "(did you mean seq_length?); known: append_eos, "),
             ("max_pixels:", "max_pixel:", "modalities.image: unknown key(s) max_pixel "
              "(did you mean max_pixels?)"),
-            ("seq_length:", "zzz: 1\nseq_length:", "unknown top-level key(s) zzz; known"),
-            # a template's name as LLaMA-Factory takes one: no template (it rendered the name)
-            ("seq_length:", "chat_template: qwen2_vl\nseq_length:", "chat_template is "
-             "'qwen2_vl', neither Jinja (no { in it) nor a .jinja file: mimo takes the "
-             "template itself")):
+            ("seq_length:", "zzz: 1\nseq_length:", "unknown top-level key(s) zzz; known")):
         assert old in text
         given.write_text(text.replace(old, new, 1).replace(
             "../assets", str(REPO / "assets")))

@@ -133,12 +133,6 @@ class PreprocessConfig:
             raise ConfigError(f"append_eos is {self.append_eos!r}: use auto, true or false")
         if self.seq_length < 2:
             raise ConfigError(f"seq_length is {self.seq_length}: it must be at least 2")
-        if isinstance(self.chat_template, str) and "{" not in self.chat_template and \
-                not looks_like_path(self.chat_template):
-            raise ConfigError(f"chat_template is {self.chat_template!r}, neither Jinja (no {{ "
-                              "in it) nor a .jinja file: mimo takes the template itself, not "
-                              "a template's name (LLaMA-Factory's template: qwen2_vl); leave "
-                              "chat_template out to use the tokenizer's own")
         unknown = set(self.modalities) - set(MODALITIES)
         if unknown:
             raise ConfigError(f"modalities {listed(sorted(unknown))} unknown: use "

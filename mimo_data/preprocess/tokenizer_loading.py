@@ -12,7 +12,7 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer
 
-from mimo_data.errors import ConfigError
+from mimo_data.errors import ConfigError, listed
 from mimo_data.hub import not_cached
 from mimo_data.preprocess.config import PreprocessConfig, looks_like_path, wrong_path
 
@@ -164,6 +164,14 @@ def chat_template(config: PreprocessConfig, tokenizer) -> str:
     if override and os.path.isfile(override):
         with open(override) as handle:
             override = handle.read()
+    named = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {}
+    if override and "{" not in override and override not in named:
+        raise ConfigError(f"chat_template is {override!r}, neither Jinja (no {{ in it), a "
+                          "template file, nor a template the tokenizer names" + (
+                              f" ({listed(named)})" if named else "") + ": mimo takes the "
+                          "template itself, or the name of one of the tokenizer's, not another "
+                          "tool's template name (LLaMA-Factory's template: qwen2_vl); leave "
+                          "chat_template out to use the tokenizer's own")
     try:
         return tokenizer.get_chat_template(override)
     except ValueError as exc:
