@@ -90,6 +90,13 @@ def test_a_claim_of_this_host_name_in_another_pid_namespace_holds_while_renewed(
     os.utime(tmp_path / OWNER, (old, old))
     checkpoint_owner.claim(str(tmp_path))
     assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
+    # a claim an earlier mimo wrote names no namespace: its host's, as that mimo read it (a
+    # run that crashed before an upgrade is taken over at once, not after STALE_S)
+    claim = _claim_of(tmp_path, pid=ended.pid)
+    del claim["pid_namespace"]
+    (tmp_path / OWNER).write_text(json.dumps(claim))
+    checkpoint_owner.claim(str(tmp_path))
+    assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
 
 
 def test_the_same_job_takes_its_claim_over_anywhere(tmp_path, monkeypatch):

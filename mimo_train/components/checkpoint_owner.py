@@ -92,11 +92,18 @@ def _ours(found: dict, me: dict) -> bool:
         (me["host"], me["pid"], me["start"])
 
 
+def _same_host(found: dict, me: dict) -> bool:
+    """Whether the claim ``found`` was written on this host, in this process-id namespace (a
+    claim an earlier mimo wrote names none: its host's, as that mimo read it)."""
+    return (found.get("host"), found.get("pid_namespace", me["pid_namespace"])) == \
+        (me["host"], me["pid_namespace"])
+
+
 def _still_runs(found: dict, me: dict, root: str) -> bool:
     """Whether the run that wrote ``found`` may still write ``root``: another host's (or
     another process-id namespace's, whose processes this one cannot look up) until its claim
     is stale, this host's while its process runs."""
-    if (found.get("host"), found.get("pid_namespace")) != (me["host"], me["pid_namespace"]):
+    if not _same_host(found, me):
         if found.get("job") and found.get("job") == me["job"]:
             return False                    # this job, requeued or restarted elsewhere
         try:
@@ -125,8 +132,7 @@ def check(root: str) -> None:
     found = _read(root)
     me = _this_run()
     if found and _still_runs(found, me, root):
-        other_host = (found.get("host"), found.get("pid_namespace")) != \
-            (me["host"], me["pid_namespace"])
+        other_host = not _same_host(found, me)
         restarted = me["job"] is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         raise CheckpointError(
             f"checkpoint.dir {root} is being written by another run ({_described(found)}"
