@@ -111,11 +111,17 @@ def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix
             # ms-swift's image as base64 text alone ("/9j/4AAQ...": no path, no data: URL)
             "id": "swift", "images": [base64.b64encode(assets["png"].read_bytes()).decode()],
             "messages": [{"role": "user", "content": "<image>What?"},
-                         {"role": "assistant", "content": "A."}]}])
+                         {"role": "assistant", "content": "A."}]}, {
+            # a long path without an extension, in base64's letters: a file there is read
+            "id": "long", "images": ["photos2023/" * 25 + "IMG000001"],
+            "conversations": chat("<image>\nWhat?", "A.")}])
+        (tmp_path / ("photos2023/" * 25)).mkdir(parents=True)
+        shutil.copy(assets["jpeg"], tmp_path / ("photos2023/" * 25 + "IMG000001"))
         code, _, err = cli_main(capsys, "build", encoded, "-o", tmp_path / "b64", "--no-progress")
         b64 = _samples_by_id(tmp_path / "b64")
         assert code == 0 and _media(*b64["b64"], "image") == [assets["jpeg"].read_bytes()]
         assert _media(*b64["swift"], "image") == [assets["png"].read_bytes()]
+        assert _media(*b64["long"], "image") == [assets["jpeg"].read_bytes()]
         bad = read_json(tmp_path / "b64" / "report.json")["skipped_by_reason"]["malformed_record"]
         assert bad["first"][0]["detail"] == "media bytes 'not base64!', a string (how JSON " \
             "holds bytes: give base64, or a path), is not valid base64", bad

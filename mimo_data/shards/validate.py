@@ -172,9 +172,14 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None,
             empty = "its bytes are empty (0 bytes), and the path beside them: "
     elif isinstance(ref, (bytes, bytearray)):
         return bytes(ref), None, None, False
-    elif isinstance(ref, str) and _BASE64_ITEM.fullmatch(ref):
-        # an item's bytes as base64 text (ms-swift's images: "/9j/4AAQ..."), no path
-        return _base64(ref, f"media {ref[:40]!r}..."), None, None, False
+    elif isinstance(ref, str) and _BASE64_ITEM.fullmatch(ref) and \
+            not os.path.exists(os.path.join(media_root, ref)):
+        # an item's bytes as base64 text (ms-swift's images: "/9j/4AAQ..."), where no file
+        # has that name (one without an extension might); text that does not decode: a path
+        try:
+            return base64.b64decode("".join(ref.split()), validate=True), None, None, False
+        except ValueError:
+            path = ref
     elif isinstance(ref, str):
         path = ref
     elif video and isinstance(ref, list) and ref and all(isinstance(p, str) for p in ref):

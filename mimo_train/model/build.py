@@ -35,6 +35,7 @@ from mimo_train.model.parts import layer_offset, module_of, replace_module
 from mimo_train.model.tower_attention import set_attention
 from mimo_train.model.tower_fusions import fuse
 from mimo_train.plan import RunPlan
+from mimo_train.plan.lora_targets import check_plan_targets
 from mimo_train.planning.adapters import check_run_targets
 from mimo_train.plan.encoders import EncoderSetting
 from mimo_train.plan.language import LanguagePlan, Vocabulary, vocab_rows
@@ -212,7 +213,10 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
     """``MimoModel`` with this rank's modules DDP-wrapped (``build_optimizer`` makes its
     ``MimoOptimizer``)."""
     layout, seed = plan.layout, plan.config.train.seed
-    check_run_targets(plan)     # an encoder's LoRA targets, before any weight is read
+    # the LoRA targets, before any weight is read (the trainer's config phase checked the
+    # language model's: a run built from a plan in code, a tool's, is checked here)
+    check_plan_targets(plan.adapted, plan.language)
+    check_run_targets(plan)
     transformer = language_transformer_config(plan, device)
     # the encoders' DDP config: the language model's without its memory settings and
     # parallelism (megatron-core warns of experts under tp without sequence parallelism)

@@ -281,7 +281,7 @@ def add_adapters(module: torch.nn.Module, adapted: Adapted, seed: int,
         root = module.input_projections[0]
     layers = _linears(root, language)
     names = {(_global_name(root, n, layer_offset) if language else n): n for n in layers}
-    if not language:      # the language model's: check_language_targets, on every rank
+    if not language:      # the language model's: plan.lora_targets, on every rank
         check_targets(adapted, set(names))
     for name, local in names.items():
         if not any(matches(t, name) for t in spec.targets):

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from mimo_data.loading.layout import LANGUAGE
 from mimo_train.errors import TrainConfigError
+from mimo_train.plan.language import LanguagePlan
 from mimo_train.plan.parts import Adapted, routed_expert_layers
 from mimo_train.plan.parts import target_matches as matches
 
@@ -34,6 +35,15 @@ def language_linears(num_layers: int, experts: int = 0, shared_expert: bool = Fa
     return {f"decoder.layers.{i}.{n}" for i in range(num_layers)
             for n in (LANGUAGE_LINEARS[2:4] if i in linear_layers else LANGUAGE_LINEARS[:2])
             + mlp} | set(routed_expert_layers(num_layers, experts))
+
+
+def check_plan_targets(adapted: Iterable[Adapted], language: LanguagePlan) -> None:
+    """``check_language_targets`` of a resolved run's language model (``plan.language``)."""
+    arch = language.arch
+    check_language_targets(adapted, language.num_layers, language.experts,
+                           bool(arch and arch.shared_expert_ffn_hidden_size),
+                           frozenset(i for i in range(language.num_layers)
+                                     if arch and arch.linear_layer(i)))
 
 
 def check_language_targets(adapted: Iterable[Adapted], num_layers: int, experts: int = 0,

@@ -22,7 +22,7 @@ from mimo_train.families.preprocessing_fit import foreign_tokenizer
 from mimo_train.families.registry import read_vlm
 from mimo_train.plan.encoders import EncoderSetting, check_vlm_projections, encoder_settings
 from mimo_train.plan.language import LanguagePlan, language_plan
-from mimo_train.plan.lora_targets import check_language_targets
+from mimo_train.plan.lora_targets import check_plan_targets
 from mimo_train.plan.parts import Adapted, Part, check_module_names, parse_parts
 from mimo_train.plan.rules import Facts, Settings, check
 
@@ -266,11 +266,7 @@ def check_training(plan: RunPlan) -> None:
         raise TrainConfigError(
             f"model.freeze freezes every module ({', '.join(idle)}): nothing would train; "
             "unfreeze a module or adapt one with model.lora")
-    arch = plan.language.arch
-    check_language_targets(plan.adapted, plan.language.num_layers, plan.language.experts,
-                           bool(arch and arch.shared_expert_ffn_hidden_size),
-                           frozenset(i for i in range(plan.language.num_layers)
-                                     if arch and arch.linear_layer(i)))
+    check_plan_targets(plan.adapted, plan.language)
 
 
 def _read_preprocess(cfg: TrainConfig) -> PreprocessConfig:
