@@ -143,6 +143,11 @@ CASES = [
      ["--records={tmp}/afile/records.jsonl", "train.tensorboard_dir={tmp}/afile/tb"], "config",
      ["rank(s) [0]: TrainConfigError: --records: {tmp}/afile is a file, not a folder",
       "train.tensorboard_dir: cannot create {tmp}/afile/tb: [Errno 20] Not a directory"]),
+    # -- a cache folder that cannot be made: said in the config phase, not the data phase's
+    ("a cache folder that cannot be made", "default",
+     ["data.cache_dir={tmp}/afile/cache"], "config",
+     ["data.cache_dir {tmp}/afile/cache cannot be made (Not a directory): give a folder this "
+      "process can write to"]),
     # -- missing shards
     ("dataset directory does not exist", "default",
      ["data.datasets=[{tmp}/no-such-shards]"], "config",
@@ -272,6 +277,11 @@ CASES = [
      ["model.projection=none", "model.freeze=[image.projection]"], "config",
      ["model.freeze freezes 'image.projection', which the model does not have "
       "(its projection is none)", "freeze 'image.encoder'"]),
+    ("lora target of a tower that names no layer", "image",
+     ["layout=image=dp1;language=dp2", "model.lora={{image.encoder: {{targets: [attn.qkvv]}}}}"],
+     "model",
+     ["model.lora.image.encoder.targets has 'attn.qkvv', which names none of its linear "
+      "layers"]),
     ("lora rank that does not split over tp", "image",
      ["layout=image=dp1;language=tp2", "model.lora={{language: {{rank: 3}}}}"], "config",
      ["model.lora.language.rank 3 does not split over the language model's tp 2",
