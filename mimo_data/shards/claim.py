@@ -221,8 +221,8 @@ class Claim:
                 etag = remote.written(url)[1]
         if holder is not None and holder.token != mine.token:
             age, stale = self._age(holder)
-            # a claim of this host's whose process is gone lapses once two renewals are
-            # missed (a live run of another host of the same name renews it meanwhile)
+            # a claim of this host's (and process-id namespace's) whose process is gone
+            # lapses once two renewals are missed: a live run renews it meanwhile
             ended = _ended(holder)
             lapse = min(2 * RENEW_S, STALE_S) if ended else STALE_S
             if age < lapse:
