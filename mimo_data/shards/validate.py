@@ -177,8 +177,8 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None,
         # an item's bytes as base64 text (ms-swift's images: "/9j/4AAQ..."), where no file
         # has that name (one without an extension might); text that does not decode: a path
         try:
-            return base64.b64decode("".join(ref.split()), validate=True), None, None, False
-        except ValueError:
+            return _base64(ref, "media"), None, None, False
+        except RecordError:
             path = ref
     elif isinstance(ref, str):
         path = ref

@@ -144,7 +144,13 @@ def encoder_adapters(setting, projection: tuple[Linear, ...], part: str | None, 
     ``blocks.0.attn.qkv``), its projection (``projection``: by index, ``0``, ``2``) or both
     (None: named from the module's root, ``encoders.<modality>.encoder.model.blocks...``,
     ``input_projections.0.0``); ``setting``: its ``plan.encoders`` entry."""
-    names = encoder_linears(setting, projection, part)
+    return _parameters(encoder_linears(setting, projection, part), rank, targets)
+
+
+def _parameters(names: Mapping[str, tuple[int, int]], rank: int, targets: tuple[str, ...]
+                ) -> int:
+    """The adapters' parameters of rank ``rank`` on the layers of ``names`` (name -> in,
+    out features) that ``targets`` name."""
     return sum(rank * (inputs + outputs) for name, (inputs, outputs) in names.items()
                if any(target_matches(t, name) for t in targets))
 
@@ -202,16 +208,16 @@ def plan_adapters(plan: RunPlan, stack: Stack, projections: Mapping[str, tuple[L
     dims give."""
     language = LanguageAdapters()
     encoders: dict[str, int] = {}
-    check_encoder_targets(plan, projections)
     for each in plan.adapted:
         spec, module = each.spec, each.part.module
         targets = tuple(spec.targets)
         if module == LANGUAGE:
             language = language_adapters(stack, spec.rank, targets)
-        else:
-            encoders[module] = encoders.get(module, 0) + encoder_adapters(
-                plan.encoders[module], projections.get(module, ()), each.part.part, spec.rank,
-                targets)
+        else:       # the tower's layers read once: checked (the trainer's refusal), counted
+            names = encoder_linears(plan.encoders[module], projections.get(module, ()),
+                                    each.part.part)
+            check_targets(each, set(names))
+            encoders[module] = encoders.get(module, 0) + _parameters(names, spec.rank, targets)
     return Adapters(language, encoders)
 
 
