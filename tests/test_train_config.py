@@ -392,6 +392,8 @@ train: {steps: 20}
     (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps is -1"),
     (["data.valid=[v]"], "data.valid is set but train.eval_interval is 0"),
     (["train.eval_interval=5"], "train.eval_interval is set but data.valid"),
+    (["train.eval_steps=4"], "train.eval_steps is 4 but data.valid lists no shard "
+     "directory to evaluate on: it would be ignored"),
     (["model.projection=conv"], "model.projection is 'conv'"),
     (["model.attention=flash"], "model.attention is 'flash'"),
     (["train.collective_timeout_minutes=0"], "train.collective_timeout_minutes is 0"),

@@ -491,6 +491,9 @@ class TrainConfig:
         if run.eval_interval and not self.data.valid:
             raise TrainConfigError("train.eval_interval is set but data.valid lists no shard "
                                    "directory to evaluate on")
+        if run.eval_steps != 1 and not self.data.valid:      # 1: the default
+            raise TrainConfigError(f"train.eval_steps is {run.eval_steps} but data.valid lists "
+                                   "no shard directory to evaluate on: it would be ignored")
         try:
             Layout.parse(self.layout)
         except (LayoutError, OSError) as error:
