@@ -33,6 +33,9 @@ def at_least(minimum: int, maximum: int | None = None):
 # a seed as training takes one (train.seed): the --seed of the commands that plan or sample
 # as a run does (mimo-inspect plan, the dry run, mimo-generate)
 SEED = at_least(0, 2**32 - 1)
+# the seed of a run that sets none (train.seed's default): the plan's and the dry run's
+# default too, so that a plan without --seed draws the run's order
+RUN_SEED = 1
 
 
 def positive(kind):

@@ -36,7 +36,7 @@ import time
 # Only the light checks table here: the tokenizer, torch and pyarrow are imported once the
 # arguments are parsed, so that --help answers at once.
 from mimo_data.inspect.checks import CHECKS, Thresholds
-from mimo_data.arguments import SEED, at_least, fraction, positive, user_path
+from mimo_data.arguments import RUN_SEED, SEED, at_least, fraction, positive, user_path
 from mimo_data.errors import listed
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
@@ -167,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
                    "training YAML as --model gives its train.micro_batch_size; with "
                    "--clip-seconds default 1)")
     p.add_argument("--seed", type=SEED, help="sample-order seed (default: a training YAML's "
-                   "train.seed as --model, else 0)")
+                   f"train.seed as --model, else {RUN_SEED}, train.seed's default)")
     p.add_argument("--epoch", type=int, default=0, help="epoch to plan (default 0)")
     p.add_argument("--balance", choices=("none", "tokens"),
                    help="the loader's data.balance (default: a training YAML's as --model, "
@@ -474,7 +474,7 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
             return _needs_trainer("--model (a training YAML) needs")
         if (status := _take_run_settings(args, run_settings)) is not None:
             return status
-    args.seed = 0 if args.seed is None else args.seed
+    args.seed = RUN_SEED if args.seed is None else args.seed
     args.balance = args.balance or "none"
     if not clip and (args.directory is None or args.global_batch_size is None or
                      args.micro_batch_size is None):

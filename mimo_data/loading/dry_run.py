@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mimo_data.arguments import SEED, user_path
+from mimo_data.arguments import RUN_SEED, SEED, user_path
 from mimo_data.shards.index import DatasetError
 from mimo_data.loading.balance import BALANCE
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
@@ -33,7 +33,7 @@ _MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "toke
 
 
 def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
-            micro_batch_size: int, *, world_size: int | None = None, seed: int = 0,
+            micro_batch_size: int, *, world_size: int | None = None, seed: int = RUN_SEED,
             epoch: int = 0, steps: int | None = None, remainder: str = "drop",
             weights=None, num_workers: int = 0, balance: str = "none",
             packing: bool = False,
@@ -59,7 +59,7 @@ def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
 
 
 def dry_runs(datasets, preprocess_config, layout, global_batch_size: int,
-             micro_batch_size: int, *, world_size: int | None = None, seed: int = 0,
+             micro_batch_size: int, *, world_size: int | None = None, seed: int = RUN_SEED,
              epoch: int = 0, steps: int | None = None, remainder: str = "drop",
              weights=None, num_workers: int = 0, balances: tuple[str, ...] = ("none",),
              packing: bool = False,
@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-size", type=int, required=True)
     parser.add_argument("--world-size", type=int, help="default: the layout's ranks")
     parser.add_argument("--weights", type=float, nargs="+", help="blend weights, one a dataset")
-    parser.add_argument("--seed", type=SEED, default=0)
+    parser.add_argument("--seed", type=SEED, default=RUN_SEED,
+                        help=f"sample-order seed (default {RUN_SEED}, train.seed's)")
     parser.add_argument("--epoch", type=int, default=0)
     parser.add_argument("--steps", type=int, help="first N steps only (default: the epoch)")
     parser.add_argument("--remainder", choices=("drop", "wrap"), default="drop")

@@ -44,6 +44,7 @@ from typing import Annotated
 
 import yaml
 
+from mimo_data.arguments import RUN_SEED
 from mimo_data.files import load_yaml
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.loading.balance import BALANCE
@@ -313,7 +314,7 @@ class RunConfig:
     log_interval: Positive = 1
     # the model's, the data order's and each module's seeds derive from it (a module's a
     # million times it: within torch's 64 bits)
-    seed: Annotated[int, Range(0, 2**32 - 1)] = 1
+    seed: Annotated[int, Range(0, 2**32 - 1)] = RUN_SEED
     device: Annotated[str, OneOf(("auto", "cuda", "cpu"))] = "auto"
     precision: Annotated[str, OneOf(("fp32", "bf16"))] = "fp32"
     # the MFU's denominator: dense peak TFLOP/s of one GPU (default: the GPU's, by its name and
