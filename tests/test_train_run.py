@@ -1360,7 +1360,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
 def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
     """``mimo-inspect checkpoint``: the step ``latest`` names, or ``--all`` steps, hashed
     against their manifests in one process: intact ones with what they hold (exit 0); a
-    truncated, a changed or an unfinished one named (exit 1), every verdict on stdout and a
+    truncated, a changed or an unfinished one named (exit 1; a save left unfinished after the
+    step a resume loads is said, and fails nothing), every verdict on stdout and a
     FAIL line a problem on stderr, with the newest intact step before the one latest names to
     resume from (checked: never a later one, which may be another run's); a latest a resume
     refuses (naming no folder, empty, none) said as the resume says it; a path holding no
@@ -1403,7 +1404,8 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
                         f"step_0000003 > {root / 'latest'}\n"), out
     code, out, err = inspected(os.path.relpath(root), "--all", "--workers", "2")
     assert code == 1 and "\nstep_0000009: INCOMPLETE: no integrity.json: its save did not " \
-        "finish" in out and "FAIL step_0000009: no integrity.json" in err, (out, err)
+        "finish" in out and "; left after step_0000006, which a resume loads: it ignores this " \
+        "folder" in out and "FAIL step_0000009" not in err, (out, err)
     assert out.endswith(f"step_0000003 > {root / 'latest'}\n"), out
     # each step checked once, said once (the fallback's paths are absolute, --all's relative)
     assert err.count("FAIL step_0000006: meta.json: hash mismatch") == 1 and \
@@ -1413,6 +1415,15 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
     code, out, _ = inspected(root, "--all")
     assert code == 1 and "resume: latest names step_0000003, which is intact: a resume loads " \
         "it\n" in out and "newest intact step" not in out, out
+    # a save left unfinished after it (a preemption while saving) alone: what a resume
+    # needs holds (exit 0, no FAIL), the leftover said
+    left = tmp / "left-over"
+    left.mkdir()
+    for name in ("step_0000003", "step_0000009"):
+        shutil.copytree(root / name, left / name, copy_function=os.link)
+    (left / "latest").write_text("step_0000003")
+    code, out, err = inspected(left, "--all")
+    assert code == 0 and "FAIL" not in err and "\nstep_0000009: INCOMPLETE: " in out, (out, err)
     # what a resume refuses: a latest naming no folder, an empty one, none
     (root / "latest").write_text("step_0000020")
     code, out, err = inspected(root)

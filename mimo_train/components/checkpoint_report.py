@@ -35,6 +35,8 @@ class StepReport:
     bytes: int = 0
     seconds: float = 0.0             # the hashing's
     meta: dict | None = None         # meta.json, where it reads
+    leftover: bool = False           # unfinished, after the step a resume loads: ignored by a
+    #                                  resume, replaced by its save of that step
 
     @property
     def intact(self) -> bool:
@@ -55,7 +57,11 @@ class Findings:
 
     @property
     def intact(self) -> bool:
-        return not self.refusal and all(report.intact for report in self.reports)
+        """What a resume needs holds: no refusal, and every step checked intact but a
+        save left unfinished after the step it loads (a run stopped while saving, or saving
+        now: the normal state after a preemption)."""
+        return not self.refusal and all(report.intact or report.leftover
+                                        for report in self.reports)
 
 
 def inspect_checkpoints(path: str, every: bool = False, workers: int = 4) -> Findings:
@@ -99,6 +105,9 @@ def inspect_checkpoints(path: str, every: bool = False, workers: int = 4) -> Fin
     chosen = [os.path.join(path, name) for name in steps] if every else \
         [found.resumes] if found.resumes else []
     found.reports = [check_step(step, workers) for step in chosen]
+    for report in found.reports:
+        report.leftover = not report.complete and found.resumes is not None and \
+            os.path.basename(report.path) > os.path.basename(found.resumes)
     resumed = next((r for r in found.reports if r.path == found.resumes), None)
     if resumed is None or not resumed.intact:
         fallback = earlier_steps(named) if named else \
@@ -128,8 +137,8 @@ def check_step(directory: str, workers: int = 4) -> StepReport:
     report = StepReport(directory, os.path.isfile(os.path.join(directory, MANIFEST)))
     report.meta = meta_of(directory)
     if not report.complete:
-        report.problems.append(f"no {MANIFEST}: its save did not finish (a run killed while "
-                               "saving); a resume cannot use it")
+        report.problems.append(f"no {MANIFEST}: its save did not finish (a run stopped or "
+                               "failing while saving, or saving now); a resume cannot use it")
         return report
     meta_there = os.path.isfile(os.path.join(directory, META))
     unread = (f"{META} is unreadable (not a JSON object)" if meta_there else f"{META} is missing"
@@ -176,8 +185,9 @@ def _summary(meta: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     """The subcommand (``args``: ``directory``, ``all``, ``workers``, ``json``): 0 when every
-    checkpoint checked is intact and a resume would load the step ``latest`` names, 1 when
-    one is damaged or unfinished or a resume refuses the folder, 2 when the path holds no
+    checkpoint checked is intact (or a save left unfinished after it) and a resume would
+    load the step ``latest`` names, 1 when one is damaged or unfinished or a resume refuses
+    the folder, 2 when the path holds no
     checkpoint, 130 when interrupted. Every verdict on stdout, one ``FAIL`` line per problem
     on stderr."""
     try:
@@ -198,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         _print(found)
     for report in found.reports:
-        for problem in report.problems:
+        for problem in [] if report.leftover else report.problems:
             print(f"mimo-inspect checkpoint: FAIL {_name(found, report)}: {problem}",
                   file=sys.stderr)
     if found.refusal:
@@ -229,7 +239,10 @@ def _print(found: Findings) -> None:
                   f"({report.seconds:.1f} s)")
         else:
             print(f"{_name(found, report)}: {'DAMAGED' if report.complete else 'INCOMPLETE'}: "
-                  + "; ".join(report.problems))
+                  + "; ".join(report.problems) + (
+                      f"; left after {os.path.basename(found.resumes or '')}, which a resume "
+                      "loads: it ignores this folder, and its save of that step replaces it"
+                      if report.leftover else ""))
         if report.meta:
             print(f"  {_summary(report.meta)}")
     if found.refusal:
