@@ -783,8 +783,22 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
                          largest["layout"], main=main)
     said = json.loads(out)["yours_not_ranked"]
     found = re.fullmatch(r"not ranked: it fits with none of the settings tried: ([0-9.]+) GiB "
-                         r"per rank at the least > ([0-9.]+) usable", said)
-    assert found and _reads_over(*found.groups(), largest["peak_memory_gib"], usable), said
+                         r"per rank at the least > ([0-9.]+) usable, on its ([\w+]+) ranks.*", said)
+    assert found and _reads_over(*found.groups()[:2], largest["peak_memory_gib"], usable), said
+    # named: the module whose ranks hold the most under its least-memory settings
+    least = min((r for r in json.loads(out)["dropped"] if r["layout"] == largest["layout"]),
+                key=lambda r: r["peak_memory_gib"])
+    assert found[3] == max(least["memory_gib"], key=lambda m: least["memory_gib"][m]["total"])
+    # a layout of modules apart: the one whose ranks hold more named, not the other
+    apart = max((r for r in everything if len(r["memory_gib"]) > 1),
+                key=lambda r: r["peak_memory_gib"])
+    totals = {module: held["total"] for module, held in apart["memory_gib"].items()}
+    code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--json",
+                         "--gpu-memory-gib", (apart["peak_memory_gib"] * 0.99 + 1) / 0.9, *one,
+                         "--layout", apart["layout"], main=main)
+    said = json.loads(out)["yours_not_ranked"]
+    assert len(set(totals.values())) > 1 and \
+        f", on its {max(totals, key=totals.__getitem__)} ranks" in said, (said, totals)
     # the text: the layouts that fit with no settings counted, the settings that do not
     # fit listed as settings (with all settings tried, each layout fits with some here)
     memory = ("--gpu-memory-gib", (usable + 1) / 0.9)

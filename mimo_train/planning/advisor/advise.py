@@ -159,8 +159,14 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
         if not mine and tried_yours and not_ranked is None:     # tried, fitting with none
             least = min(tried_yours, key=lambda r: r.peak_bytes)
             peak, usable = gib_over(least.peak_bytes / 2**30, advisor.usable_bytes / 2**30)
+            # the module whose ranks set that figure: a tower's is not the language
+            # model's, which more context or tensor parallelism would not lower
+            # (colocated modules: one key, "language+image")
+            fullest = max(least.memory, key=lambda module: least.memory[module].total)
             not_ranked = (f"not ranked: it fits with none of the settings tried: {peak} GiB "
-                          f"per rank at the least > {usable} usable")
+                          f"per rank at the least > {usable} usable, on its {fullest} ranks" + (
+                              f" (more {fullest} ranks, with data.split_media, share a step's "
+                              "media)" if LANGUAGE not in fullest.split("+") else ""))
     dims = model.dims
     return {
         "model": {"source": model.source, "precision": model.precision,
