@@ -302,9 +302,11 @@ def test_a_failed_background_save_raises_its_writers_cause(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("asynchronous, full", [
     (True, ("data", "digests")), (True, ("data",)), (False, ("data",)), (True, ("digests",)),
-    (True, ("metadata",)), (True, ("thread",)), (True, ("file",)), (False, ("file",))],
+    (True, ("metadata",)), (True, ("thread",)), (True, ("file",)), (False, ("file",)),
+    (True, ("data", "read-only")), (False, ("metadata", "read-only")), (True, ("folder",))],
     ids=["async", "async-data-only", "sync-data-only", "async-digests-only",
-         "async-metadata-only", "async-write-thread", "async-torch-writer", "sync-torch-writer"])
+         "async-metadata-only", "async-write-thread", "async-torch-writer", "sync-torch-writer",
+         "async-read-only", "sync-read-only-metadata", "read-only-folder"])
 def test_a_save_onto_a_full_disk_says_the_step_folder(tmp_path, monkeypatch, capfd, caplog,
                                                       asynchronous, full):
     """A save onto a full file system, its file writes failing with ENOSPC where they are made:
@@ -312,7 +314,9 @@ def test_a_save_onto_a_full_disk_says_the_step_folder(tmp_path, monkeypatch, cap
     a RuntimeError naming only ``<class 'OSError'>``), the writer's digests after it (an
     exception escaping a forked writer is printed as its traceback), megatron-core's
     metadata.json at finalization (rank 0). The user is told the step folder, the space free
-    and what to do, and sees no traceback nor megatron-core's log lines. In process: a
+    and what to do, and sees no traceback nor megatron-core's log lines; another file system's
+    error (read-only: the data, the metadata, the step folder itself) likewise, with the
+    folder and what it left. In process: a
     one-rank gloo world, a one-tensor state, megatron-core's request run by a forked writer
     (``checkpoint.async_save``) or in place."""
     import errno
@@ -326,7 +330,17 @@ def test_a_save_onto_a_full_disk_says_the_step_folder(tmp_path, monkeypatch, cap
     from mimo_train.runtime import distributed
 
     def no_space(*args, **kwargs):
+        if "read-only" in full:
+            raise OSError(errno.EROFS, "Read-only file system")
         raise OSError(errno.ENOSPC, "No space left on device")
+    if "folder" in full:        # the step folder not made (rank 0, before the collective)
+        made = os.makedirs
+
+        def not_made(path, *args, **kwargs):
+            if os.path.basename(path) == "step_0000004":
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return made(path, *args, **kwargs)
+        monkeypatch.setattr(module.os, "makedirs", not_made)
     for name, (owner, function) in {"data": (filesystem_async, "_write_item"),
                                     "digests": (digests, "write_atomic"),
                                     "metadata": (serialization, "save_config")}.items():
@@ -384,8 +398,12 @@ def test_a_save_onto_a_full_disk_says_the_step_folder(tmp_path, monkeypatch, cap
     said = (r"torch's file writer wrote less than it was given \(.*unexpected pos.*\), as on a "
             r"full file system or past a quota" if "file" in full else
             "no space left on its file system")
+    said = rf"{said} \([\d.]+ GiB free now\)" if "read-only" not in full else \
+        r"Read-only file system( \(.*\))?"
+    if "folder" in full:
+        said = rf"Permission denied \({step}\)"
     with distributed.alone(), pytest.raises(CheckpointError, match=(
-            rf"^writing {step}: {said} \([\d.]+ GiB free now\): "
+            rf"^writing {step}: {said}: "
             "this checkpoint is incomplete, latest not moved to it")) as refused:
         saver = module.Saver(str(tmp_path), asynchronous)
         saver.save(4, None, {"step": 4})

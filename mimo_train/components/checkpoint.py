@@ -239,7 +239,7 @@ class Saver:
             except CheckpointException as error:
                 raise _writers_cause(error, directory) from None
             except OSError as error:    # rank 0's at finalization: .metadata, metadata.json
-                raise _no_space(error, directory) or error from None
+                raise _save_failed(error, directory) from None
             return directory
         self.queue.schedule_async_request(request)
         self.pending.append(directory)
@@ -268,7 +268,7 @@ class Saver:
         except CheckpointException as error:
             raise _writers_cause(error, self.pending[0]) from None
         except OSError as error:        # rank 0's at finalization, as in a synchronous save
-            raise _no_space(error, self.pending[0]) or error from None
+            raise _save_failed(error, self.pending[0]) from None
         finished, self.pending = self.pending[:len(done)], self.pending[len(done):]
         return finished
 
@@ -317,7 +317,7 @@ def _writers_cause(error: CheckpointException, directory: str) -> Exception:
     cause = own or next(gathered, CheckpointError(
         f"writing {directory} failed on another rank ({error.args[0]}; megatron-core tells "
         "only rank 0 which and why): rank 0's line says it"))
-    return _no_space(cause, directory) or cause
+    return _save_failed(cause, directory)
 
 
 # megatron-core's words for a writer's exception (``retrieve_write_results``: a RuntimeError
@@ -366,6 +366,22 @@ def _no_space(error: Exception, directory: str) -> CheckpointError | None:
         damaged=True)
 
 
+def _save_failed(error: Exception, directory: str) -> Exception:
+    """A save's failure as the user reads it: a full file system's (``_no_space``); any
+    other OSError (a read-only or vanished file system, no permission) as the file and what
+    was left, the checkpoint incomplete; another error as it is."""
+    if (full := _no_space(error, directory)) is not None:
+        return full
+    if not isinstance(error, OSError):
+        return error
+    where = f" ({error.filename})" if error.filename else ""
+    return CheckpointError(
+        f"writing {directory}: {error.strerror or error}{where}: this checkpoint is "
+        "incomplete, latest not moved to it (a resume loads the one before, if any, and "
+        "ignores this one: it may be deleted); checkpoint.dir must be a folder every rank "
+        "can write to", damaged=True)
+
+
 # megatron-core's words for a write's results that never came (its writer died first)
 _NO_RESULTS = "results_queue should not be empty"
 
@@ -376,13 +392,19 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
     write extended by the writer's digests and its finalization by ``meta.json``, the manifest
     and ``latest`` (rank 0), in that order, then (``keep_last``) ``prune``."""
     rank = dist.get_rank()
-    lost = checkpoint_owner.lost(root) if rank == 0 else None
-    if rank == 0 and not lost:        # what an interrupted save at this step left
+    refusal: tuple[str, bool] | None = None       # why not, and whether the save failed
+    if rank == 0:
+        lost = checkpoint_owner.lost(root)
+        refusal = (lost, False) if lost else None
+    if rank == 0 and refusal is None:     # what an interrupted save at this step left
         shutil.rmtree(directory, ignore_errors=True)
-        os.makedirs(directory)
-    lost = distributed.broadcast(lost, src=0)           # every rank stops, none waits
-    if lost:
-        raise CheckpointError(lost)
+        try:
+            os.makedirs(directory)
+        except OSError as error:
+            refusal = (str(_save_failed(error, directory)), True)
+    refusal = distributed.broadcast(refusal, src=0)     # every rank stops, none waits
+    if refusal:
+        raise CheckpointError(refusal[0], damaged=refusal[1])
     # Fully parallel: each replicated tensor (a data-parallel replica's weights and optimizer
     # state) is written by one of its holders, spread over the world, not all by rank 0.
     request = dist_checkpointing.save(
