@@ -1604,6 +1604,22 @@ def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):
         _check_frozen(str(step), meta, {"modality_submodules.image.module.input_projections.x":
                                         None}, [])
     assert check(str(step), model, None)["step"] == 1         # model.init_from: any freeze
+    # LoRA newly on the frozen tower (which then trains its adapters): said as the adapters
+    # the checkpoint lacks, not as the freeze (whose remedy, freezing it, refuses LoRA there)
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from mimo_train.mcore import ShardedTensor
+    adapter = "modality_submodules.image.module.encoders.x.lora.a.weight"
+    weights = {key: ShardedTensor.from_rank_offsets(key, torch.empty(held.global_shape))
+               for key, held in dist_checkpointing.load_tensors_metadata(str(step)).items()
+               if key.startswith("modality_submodules.") or key.startswith("language_model.")}
+    adapted = SimpleNamespace(mimo_config=model.mimo_config, sharded_state_dict=lambda: {
+        **weights, "a": ShardedTensor.from_rank_offsets(adapter, torch.ones(2))})
+    with pytest.raises(CheckpointError, match=r"lacks 1 LoRA adapter weight\(s\) of this run, "
+                       r"e\.g\. \[.modality_submodules\.image\.module\.encoders\.x\.lora\.a\."
+                       r"weight.\]: it was saved without LoRA adapters"):
+        check(str(step), adapted, 4, [])
 
 
 def test_a_checkpoint_with_modules_this_model_lacks_is_refused_naming_them(setup):

@@ -57,12 +57,12 @@ def check(directory: str, model, global_batch_size: int | None,
     if global_batch_size is None:          # init_from: adapters it lacks keep their init
         wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
     _check_projections(directory, wanted, saved, meta)
-    if global_batch_size is not None:
-        _check_frozen(directory, meta, saved, freeze)
     missing = sorted(set(wanted) - set(saved))
-    if missing:
+    if missing:     # before the freeze's check: LoRA newly on a part is said as itself
         raise _lacks(directory, missing, meta, sorted(_saved_modules(saved)), settings,
                      global_batch_size is not None)
+    if global_batch_size is not None:
+        _check_frozen(directory, meta, saved, freeze)
     for key, shape in wanted.items():
         if tuple(saved[key].global_shape) != tuple(shape):
             theirs = tuple(saved[key].global_shape)
