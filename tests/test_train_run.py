@@ -1210,8 +1210,9 @@ def test_resume_under_another_language_layout(ranks, setup, language):
     assert "mimo-train: the checkpoint was saved under layout image=tp1,cp1,pp1,dp1,off0,image;" \
         "audio=tp1,cp1,pp1,dp1,off1,audio;language=tp1,cp1,pp1,dp1,off2 on 3 rank(s), this " \
         "run's is image=tp1,cp1,pp1,dp1,off0,image;audio=tp1,cp1,pp1,dp1,off1,audio;language=" \
-        f"tp{tp},cp{cp},pp1,dp{dp},off2 on 4: its weights and optimizer state are resharded" \
-        in job.stdout, job.stdout
+        f"tp{tp},cp{cp},pp1,dp{dp},off2 on 4: its weights and optimizer state are resharded " \
+        "(the same values), the sample stream goes on after its 12 samples as an " \
+        "uninterrupted run's" in job.stdout, job.stdout       # step 3 of 4 samples
     resumed = read_records(tmp / f"resumed-{language}.jsonl")
     steps = [4, 5] if stop else [4, 5, 6]
     # tp2 sums each matmul's halves in another order: ~2e-5 relative on the grad norm

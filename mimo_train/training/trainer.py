@@ -273,7 +273,9 @@ class Trainer:
         if None not in saved and saved != (str(self.layout), self.world):   # both recorded
             say(f"{PREFIX}the checkpoint was saved under layout {saved[0]} on {saved[1]} "
                 f"rank(s), this run's is {self.layout} on {self.world}: its weights and "
-                "optimizer state are resharded (the same values), its random-number state "
+                "optimizer state are resharded (the same values), the sample stream goes on "
+                f"after its {self.step * self.cfg.train.global_batch_size:,} samples as an "
+                "uninterrupted run's (the same global batch), its random-number state "
                 "starts anew (dropout draws differ from an uninterrupted run's)")
         # the LR schedules follow this run's config; gathered once every rank has loaded (no
         # note when nothing is left to train: _train says so)
