@@ -171,3 +171,24 @@ def test_dp_parts_tile_each_global_micro_batch():
                          for r in range(dp)]
                 covered += [i for part in parts for i in range(part.start, part.stop)]
         assert covered == list(range(2 * global_batch))
+
+
+def test_the_order_is_the_one_earlier_versions_drew_and_holds_little_memory():
+    """A seed's order is the one mimo drew before its computation was made leaner (values
+    printed by the earlier code, 2026-12-06: a resume across an upgrade continues the same
+    stream); computing an epoch's order of one dataset holds under 40 bytes a sample at its
+    peak (every rank and loader worker computes it; it was 60)."""
+    import tracemalloc
+    data = shape(100, 37, 0, 64, dropped=[0, 5, 150])
+    order = SampleOrder([data], seed=7, global_batch_size=1, block_size=8, window_blocks=2)
+    assert order.epoch(0)[1][:12].tolist() == [66, 64, 81, 83, 86, 82, 70, 80, 71, 84, 87, 67]
+    assert order.epoch(1)[1][-6:].tolist() == [110, 147, 108, 151, 145, 149]
+    count = 1_000_000
+    large = SampleOrder([shape(*[5000] * (count // 5000))], seed=1, global_batch_size=256)
+    tracemalloc.start()
+    try:
+        large.dataset_order(0, 0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak / count < 40, peak / count

@@ -62,21 +62,33 @@ class TooFewSamples(OrderError):
     """Fewer kept samples in an epoch than one global batch."""
 
 
-def _splitmix64(values: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer on uint64 arrays (wrapping arithmetic)."""
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer on a uint64 array, in place (wrapping arithmetic; one more array
+    of its size meanwhile: an epoch's order is computed by every rank and loader worker)."""
     with np.errstate(over="ignore"):
-        z = values + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+        z += np.uint64(0x9E3779B97F4A7C15)
+        shifted = z >> np.uint64(30)
+        z ^= shifted
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        np.right_shift(z, np.uint64(27), out=shifted)
+        z ^= shifted
+        z *= np.uint64(0x94D049BB133111EB)
+        np.right_shift(z, np.uint64(31), out=shifted)
+        z ^= shifted
+        return z
+
+
+def _salt(*tags: int) -> np.ndarray:
+    """The uint64 that ``tags`` mix into keys."""
+    salt = np.zeros(1, dtype=np.uint64)
+    for tag in tags:
+        salt = _splitmix64(salt ^ np.uint64(tag & _MASK64))
+    return salt
 
 
 def hash_keys(values: np.ndarray, *tags: int) -> np.ndarray:
     """Pseudo-random uint64 keys of ``values`` (non-negative ints) under ``tags``."""
-    salt = np.zeros(1, dtype=np.uint64)
-    for tag in tags:
-        salt = _splitmix64(salt ^ np.uint64(tag & _MASK64))
-    return _splitmix64(np.asarray(values, dtype=np.uint64) ^ salt)
+    return _splitmix64(np.asarray(values, dtype=np.uint64) ^ _salt(*tags))
 
 
 @dataclass(frozen=True)
@@ -170,19 +182,26 @@ class SampleOrder:
         shape = self.datasets[dataset]
         sizes = np.asarray(shape.shard_sizes, dtype=np.int64)
         total = int(sizes.sum())
-        positions = np.arange(total, dtype=np.int64)
-        shard_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        # each shard cut into blocks of block_size samples (its last one shorter), in write
+        # order: a block's sample count, and where each shard's last block is
         blocks_per_shard = -(-sizes // self.block_size)
-        block_base = np.concatenate([[0], np.cumsum(blocks_per_shard)[:-1]])
-        shard_of = np.repeat(np.arange(len(sizes)), sizes)
-        block_of = block_base[shard_of] + (positions - shard_starts[shard_of]) // self.block_size
         num_blocks = int(blocks_per_shard.sum())
+        counts = np.full(num_blocks, self.block_size, dtype=np.int64)
+        held = sizes > 0
+        counts[np.cumsum(blocks_per_shard)[held] - 1] = \
+            sizes[held] - (blocks_per_shard[held] - 1) * self.block_size
         tags = (self.seed, dataset, dataset_epoch)
         block_rank = np.empty(num_blocks, dtype=np.int64)
         block_rank[np.argsort(hash_keys(np.arange(num_blocks), *tags, _BLOCKS),
                               kind="stable")] = np.arange(num_blocks)
-        window_of = block_rank[block_of] // self.window_blocks
-        order = np.lexsort((hash_keys(positions, *tags, _SAMPLES), window_of))
+        # each sample's window (its block's rank // window_blocks), then its key within; made
+        # so to hold few arrays of the dataset's size at once (every rank and loader worker
+        # computes an epoch's order)
+        window_of = np.repeat((block_rank // self.window_blocks).astype(np.int32), counts)
+        keys = np.arange(total, dtype=np.uint64)
+        keys ^= _salt(*tags, _SAMPLES)             # hash_keys(positions), in place
+        order = np.lexsort((_splitmix64(keys), window_of))
+        del keys, window_of
         return order[shape.kept[order]]
 
     def _dataset_stream(self, dataset: int, start: int, count: int) -> np.ndarray:
