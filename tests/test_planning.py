@@ -609,6 +609,12 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
                 assert cfg.optimizer.of(module).distributed is \
                     r["settings"]["distributed_optimizer"]
             resolve(cfg)                # the trainer's start-up: raises what it refuses
+    # the start-up line's memory settings: a module that trains nothing says so, not the
+    # optimizer settings that hold nothing for it
+    frozen = resolve(TrainConfig.load(str(path), ["model.freeze=[image]",
+                                                  "optimizer.distributed=true"]))
+    assert frozen.memory_summary().split("; ") == ["image: frozen",
+                                                   "language: distributed optimizer"]
     # --packing against the YAML's data.packing: false
     code, _, err = _plan(capsys, loader_corpus, preprocess, variant, "--gpus", 4, "--packing",
                          main=main)

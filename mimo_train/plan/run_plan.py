@@ -147,9 +147,13 @@ class RunPlan:
     def memory_summary(self) -> str:
         """Each module's memory settings, for the start-up line, e.g. ``language:
         distributed optimizer, recompute full, sequence parallel, loss in chunks of 4096
-        tokens; image: recompute full; audio: -``."""
+        tokens; image: recompute full; audio: -``; a module that trains nothing (frozen,
+        without LoRA): ``frozen``, its optimizer settings holding nothing."""
         parts = []
         for name, module in self.modules.items():
+            if not self.trains(name):
+                parts.append(f"{name}: frozen")
+                continue
             own = module.optimizer
             settings = [*(["distributed optimizer"] if own.distributed else []),
                         *([f"recompute {module.recompute}"] if module.recompute != "none"
