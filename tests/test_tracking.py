@@ -161,8 +161,11 @@ def test_the_data_wait_is_the_steps_own_waits_for_its_micro_batches(monkeypatch)
     third, _, _ = Trainer.train_step(trainer, loader([1.0, 2.0]))
     assert third.data_wait == 3.0 and len(third.forward) == 2, third
     record = train_record(2, 2.0, 1.0, 0.5, {"language": 1e-3}, False, 2.0, 8,
-                          {"language": 0.1}, 100.0, second.data_wait)
+                          {"language": 0.1}, {"image": 40.0, "language": 100.0},
+                          second.data_wait)
     assert record["data_wait_s"] == 0.75 and scalars(record)["train/data_wait_s"] == 0.75
+    # the peak memory: the world's, and each module's
+    assert record["memory_mib"] == 100.0 and scalars(record)["memory_mibs/image"] == 40.0
     assert "forward: language 100ms  data wait 750ms" in line(record), line(record)
 
 

@@ -84,6 +84,10 @@ def test_loss_goes_down_and_evaluation_follows(setup):
     # the same validation batches each time
     assert evals[0]["eval_tokens"] == evals[1]["eval_tokens"] > 0
     assert all(set(r["forward_s"]) == {"image", "audio", "language"} for r in train)
+    # each module's ranks' peak memory, the world's the largest (each rank its own here)
+    assert all(set(r["memory_mibs"]) == {"image", "audio", "language"} and
+               r["memory_mib"] == max(r["memory_mibs"].values()) for r in train)
+    assert any(len(set(r["memory_mibs"].values())) == 3 for r in train), train
 
 
 def test_checkpoints_at_interval_and_end(setup):

@@ -1,8 +1,9 @@
 """Step and evaluation records, their stdout lines (rank 0) and TensorBoard scalars.
 
 A train record: ``step, loss, tokens, grad_norm, lr, lrs, skipped, seconds, tokens_per_s,
-sequence_tokens, sequence_tokens_per_s, samples_per_s, forward_s, data_wait_s, memory_mib``
-(and ``moe_aux_loss``, the global batch's load-balancing loss without its coefficient, when on).
+sequence_tokens, sequence_tokens_per_s, samples_per_s, forward_s, data_wait_s, memory_mib,
+memory_mibs`` (and ``moe_aux_loss``, the global batch's load-balancing loss without its
+coefficient, when on).
 ``tokens`` are the step's *trained* tokens (the loss's targets, its denominator; the step line's
 ``trained tokens`` and ``trained tok/s``); ``sequence_tokens`` every token of the step's samples
 (text and media placeholders, no padding: what other frameworks' tokens/s count; the step line's
@@ -13,7 +14,8 @@ took (large: the loader does not keep up; the step line's ``data wait``; megatro
 ``batch-generator`` timer without its copy to the device) summed over them, max over the
 ranks: part of the step's ``seconds``, on the host's clock without a device sync, so a wait
 while the device still runs queued work costs it nothing, one with the device's queue empty
-is the device idle; ``memory_mib``: ``PeakMemory``, max over the ranks); an evaluation
+is the device idle; ``memory_mib``: ``PeakMemory``, max over the ranks; ``memory_mibs``: the
+same per module, max over its ranks, as ``forward_s``); an evaluation
 record: ``step, eval_loss, eval_tokens``. Every rank builds the same records (the values are
 reduced over the world); only rank 0 prints and writes TensorBoard.
 
@@ -181,9 +183,10 @@ class StepValues:
     skipped: bool = False
 
 
-def forward_seconds(layout, values: list[float]) -> dict:
-    """Forward seconds per module (``values``: the world's maximum per layout module); one
-    entry ``a+b+...`` for colocated layouts, where every rank runs every module."""
+def per_module(layout, values: list[float]) -> dict:
+    """A value per module, its forward seconds or its peak memory (``values``: the world's
+    maximum per layout module); one entry ``a+b+...`` for colocated layouts, where every rank
+    runs every module."""
     names = [m.name for m in layout.modules]
     if layout.colocated:
         return {"+".join(names): max(values)}
@@ -192,8 +195,9 @@ def forward_seconds(layout, values: list[float]) -> dict:
 
 def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lrs: dict[str, float],
                  skipped: bool, seconds: float, global_batch_size: int, forward_s: dict,
-                 memory_mib: float | None = None, data_wait_s: float | None = None) -> dict:
-    """``tokens``: the trained tokens (the samples' tokens are added with the FLOPs)."""
+                 memory_mib: dict | None = None, data_wait_s: float | None = None) -> dict:
+    """``tokens``: the trained tokens (the samples' tokens are added with the FLOPs);
+    ``memory_mib``: per module (``per_module``)."""
     lr = lrs.get("language", next(iter(lrs.values()), 0.0))
     return {"step": step, "loss": loss_sum / max(tokens, 1), "tokens": int(tokens),
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
@@ -201,7 +205,8 @@ def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lrs: dict
             "tokens_per_s": tokens / seconds, "samples_per_s": global_batch_size / seconds,
             "forward_s": forward_s,
             **({"data_wait_s": data_wait_s} if data_wait_s is not None else {}),
-            **({"memory_mib": memory_mib} if memory_mib is not None else {})}
+            **({"memory_mib": max(memory_mib.values()), "memory_mibs": memory_mib}
+               if memory_mib is not None else {})}
 
 
 class FlopsCounter:
@@ -257,7 +262,7 @@ def scalars(record: dict) -> dict[str, float]:
     ``forward_s/<module>``, ``anomaly/…``."""
     found: dict[str, float] = {}
     for key, value in record.items():
-        if key in ("forward_s", "lrs", "flops"):
+        if key in ("forward_s", "lrs", "flops", "memory_mibs"):
             found.update({f"{key}/{module}": s for module, s in value.items()})
         elif key == "anomaly":
             found.update({f"anomaly/{k}": float(v) for k, v in value.items()
@@ -541,11 +546,13 @@ class Metrics:
         readings = [p.readings.read() for p in pending]
         names = [m.name for m in self.layout.modules]
         # per module: its learning rate (-1 where this rank does not train it), its forward
-        # seconds; the rank's wait for its micro-batches, its peak memory; the world's maxima
+        # seconds, its peak memory; the rank's wait for its micro-batches; the world's maxima
         local = [[(p.lrs or {}).get(name, -1.0) for name in names]
                  + [sum(t.seconds() for t in p.forward) if name in self.local_modules
-                    else 0.0 for name in names] + [p.data_wait, p.memory_mib]
-                 + reading.get("balance", [-1.0]) for p, reading in zip(pending, readings)]
+                    else 0.0 for name in names]
+                 + [p.memory_mib if name in self.local_modules else 0.0 for name in names]
+                 + [p.data_wait] + reading.get("balance", [-1.0])
+                 for p, reading in zip(pending, readings)]
         # host values: over the control group, so the reduction waits for no device queue
         maxima = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=distributed.control())
@@ -556,8 +563,9 @@ class Metrics:
             read.append(train_record(
                 p.step, loss_sum, tokens, p.grad_norm, lrs, p.skipped, p.timer.seconds(),
                 p.global_batch_size,
-                forward_seconds(self.layout, row[len(names):2 * len(names)]),
-                row[-2] if self.memory is not None else None, row[2 * len(names)]))
+                per_module(self.layout, row[len(names):2 * len(names)]),
+                per_module(self.layout, row[2 * len(names):3 * len(names)])
+                if self.memory is not None else None, row[3 * len(names)]))
             if row[-1] >= 0:                    # a value of the language ranks' (>= 0)
                 read[-1]["moe_aux_loss"] = row[-1]
         world = dist.get_world_size()
