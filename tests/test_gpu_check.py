@@ -356,6 +356,41 @@ def test_the_goal_case_recomputes_its_tower_after_running_out_of_memory(summary,
     assert result["speedup"] == 1.0
     assert result["tower_recompute"] == "full" and result["compiled"]
     assert "out of GPU memory" in (tmp_path / "work" / "packed_8k_out_of_memory.log").read_text()
+    # saved once mimo's side ran: a run stopped from outside during the peer keeps it
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["cases"]["packed_8k"]["mimo"]["steps"] == 1
+
+
+def test_what_comes_back_from_a_lease_fits_its_eight_files(tmp_path):
+    """With ``--work`` outside ``--out`` the runs' logs come back in one archive beside
+    the summary (a lease brings back at most 8 files); a case that failed before its sides
+    ran fails the check (its exit status); a run past its limit gets SIGTERM first, which
+    torchrun passes to its worker (a session of its own, which SIGKILL would leave running)."""
+    import tarfile
+    module = _module()
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    work.mkdir()
+    check = module.Check(out, True, math.inf, module.torchrun_launcher, None, work)
+    for name in ("a.log", "a.jsonl", "b.log"):
+        (work / name).write_text(name)
+        check.bring_back(work / name)
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "run.log"]
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        assert sorted(archive.getnames()) == ["logs", "logs/a.jsonl", "logs/a.log",
+                                             "logs/b.log"]
+        assert archive.extractfile("logs/b.log").read() == b"b.log"
+    assert module.failures({"packages": {}, "cases": {"packed_8k": {"error": "ImportError"},
+                                                      "unpacked": {"mimo": {"error": "x"}}}}
+                           ) == ["packed_8k", "unpacked.mimo"]
+    script = tmp_path / "slow.py"
+    script.write_text("import signal, sys, time\n"
+                      "signal.signal(signal.SIGTERM, lambda *a: (print('terminated', "
+                      "flush=True), sys.exit(3)))\nprint('started', flush=True)\n"
+                      "time.sleep(60)\n")
+    log = tmp_path / "slow.log"
+    assert module.torchrun_launcher([str(script)], {}, 3.0, log) == 124
+    assert log.read_text().splitlines()[:2] == ["started", "terminated"], log.read_text()
 
 
 def test_a_failed_compile_runs_mimo_again_without_torch_compile(summary, tmp_path):

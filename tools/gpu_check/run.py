@@ -78,6 +78,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections.abc import Callable
@@ -180,10 +181,19 @@ def torchrun_launcher(argv: list[str], env: dict[str, str], timeout: float, log:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "1", *argv] if argv[0] == "-m" else [sys.executable, *argv]
     with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env}, stdout=out,
+                                   stderr=subprocess.STDOUT)
         try:
-            return subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=timeout).returncode
+            return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            # SIGTERM first: torchrun stops its worker, which runs in a session of its own
+            # (a SIGKILL of torchrun alone leaves it holding the GPU for the next run)
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
             out.write(f"\ngpu-check: stopped after {timeout:.0f} s\n")
             return 124
 
@@ -202,6 +212,26 @@ class Check:
         self.compile_env: dict[str, str] = {}
         self.summary: dict = {"tiny": tiny}
         self.log = open(out / "run.log", "a")
+
+    def save(self) -> None:
+        """``summary.json`` rewritten (a run stopped from outside keeps what it measured)."""
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1))
+
+    def bring_back(self, *paths: Path) -> None:
+        """Copies of ``paths`` (the runs' logs, records, configs) come back with the summary
+        where ``work`` is not under ``out``: in one archive, ``out/logs.tar.gz``, rewritten
+        (a GPU lease brings back at most 8 files: the summary, run.log and this)."""
+        if self.work == self.out / "work":
+            return
+        kept = self.work / "brought_back"
+        kept.mkdir(exist_ok=True)
+        for path in paths:
+            if path.exists():
+                shutil.copy(path, kept / path.name)
+        partial = self.out / "logs.tar.gz.partial"
+        with tarfile.open(partial, "w:gz") as archive:
+            archive.add(kept, arcname="logs")
+        os.replace(partial, self.out / "logs.tar.gz")
 
     @property
     def media(self) -> dict[str, int]:
@@ -268,9 +298,13 @@ def install_packages(gpu: bool) -> dict:
             raise RuntimeError(f"{missing} missing and no wheels in .whl/: run "
                                "bash tools/gpu_check/prepare.sh on the development machine")
     if missing and wheels:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                        "--no-compile", "--no-cache-dir", *map(str, wheels)], check=True,
-                       capture_output=True, text=True, timeout=180)
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
+                               "--no-deps", "--no-compile", "--no-cache-dir",
+                               *map(str, wheels)], capture_output=True, text=True, timeout=180)
+        if done.returncode:             # pip's own words, not its command line
+            said = [x for x in (done.stderr + done.stdout).splitlines() if x.strip()]
+            raise RuntimeError(f"pip install of .whl/ (exit {done.returncode}): "
+                               + " | ".join(said[-3:]))
         result["installed"] = [w.name for w in wheels]
     # without PyAV (no wheel carried) the shards hold no clips and a stub stands in for it
     result["av"] = "stub" if _missing("av") else "installed"
@@ -441,11 +475,7 @@ def train(check: Check, name: str, device: str, limit: float, config: dict,
     for record in found:             # a non-finite value is written as null (JSON has no NaN)
         record.update({key: math.nan for key in ("loss", "grad_norm")
                        if key in record and record[key] is None})
-    if check.work != check.out / "work":         # the logs come back with the summary
-        (check.out / "logs").mkdir(exist_ok=True)
-        for path in (log, records, check.work / f"{name}.yaml"):
-            if path.exists():
-                shutil.copy(path, check.out / "logs" / path.name)
+    check.bring_back(log, records, check.work / f"{name}.yaml")
     return rc, [r for r in found if "loss" in r], log
 
 
@@ -615,6 +645,8 @@ def case(check: Check, device: str, work: Workload) -> dict:
         model["encoders"]["image"]["recompute"] = "none" if result["tower_kept"]["kept"] \
             else "full"
     result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
+    check.summary.setdefault("cases", {})[work.name] = result   # kept should the rest fail
+    check.save()
     log = check.work / f"{work.name}.log"
 
     def again(why: str, into: dict) -> None:
@@ -683,9 +715,10 @@ def mimo_side(check: Check, work: Workload, device: str, config: dict, steps: in
 def keep_log(check: Check, log: Path, why: str) -> None:
     """A copy of a failed run's ``log`` (NAME_WHY.log, beside it and in the logs brought
     back) before the run again overwrites it."""
-    places = [check.work] + ([check.out / "logs"] if (check.out / "logs").is_dir() else [])
-    for place in places if log.exists() else []:
-        shutil.copy(log, place / f"{log.stem}_{why}.log")
+    if log.exists():
+        kept = check.work / f"{log.stem}_{why}.log"
+        shutil.copy(log, kept)
+        check.bring_back(kept)
 
 
 def gpu_total_mib() -> int | None:
@@ -778,11 +811,7 @@ def run(out: Path, tiny: bool, budget_s: float, launch: Launcher = torchrun_laun
     out.mkdir(parents=True, exist_ok=True)
     check = Check(out, tiny, budget_s, launch, shards, work)
     check.work.mkdir(parents=True, exist_ok=True)
-    saved = out / "summary.json"
-
-    def save() -> None:
-        saved.write_text(json.dumps(check.summary, indent=1))
-
+    save = check.save
     check.step("packages", lambda: install_packages(gpu=not tiny))
     import torch                        # the driver's device count: no CUDA context
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
@@ -810,14 +839,16 @@ def run(out: Path, tiny: bool, budget_s: float, launch: Launcher = torchrun_laun
             cases[workload.name] = {"skipped": f"on the CPU the same run as {same}"}
             continue
         check.step(workload.name, functools.partial(case, check, device, workload))
-        cases[workload.name] = check.summary.pop(workload.name)
+        # a case that failed keeps what it measured before (``case`` saves mimo's side)
+        cases[workload.name] = {**cases.get(workload.name, {}),
+                                **check.summary.pop(workload.name)}
         save()
     if check.left(PARITY_S) >= PARITY_S:
         check.step("parity", lambda: parity(check, device))
     else:
         check.summary["parity"] = {"skipped": "out of time"}
     save()
-    check.say(f"summary in {saved}")
+    check.say(f"summary in {out / 'summary.json'}")
     return check.summary
 
 
@@ -849,10 +880,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def failures(summary: dict) -> list[str]:
-    """The steps and the cases' sides that failed (an ``error``; ``skipped`` is none)."""
+    """The steps, the cases and the cases' sides that failed (an ``error``; ``skipped`` is
+    none)."""
     failed = [k for k, v in summary.items() if isinstance(v, dict) and "error" in v]
-    return failed + [f"{k}.{side}" for k, v in summary["cases"].items()
-                     for side in ("mimo", "peer") if "error" in v.get(side, {})]
+    cases = summary.get("cases", {})
+    return failed + [k for k, v in cases.items() if "error" in v] + [
+        f"{k}.{side}" for k, v in cases.items() for side in ("mimo", "peer")
+        if "error" in v.get(side, {})]
 
 
 if __name__ == "__main__":
