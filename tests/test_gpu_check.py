@@ -391,6 +391,9 @@ def test_what_comes_back_from_a_lease_fits_its_eight_files(tmp_path):
     log = tmp_path / "slow.log"
     assert module.torchrun_launcher([str(script)], {}, 3.0, log) == 124
     assert log.read_text().splitlines()[:2] == ["started", "terminated"], log.read_text()
+    # both sides' runs on a GPU with the allocator's expandable segments, unless set
+    assert module.child_env("cuda")["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in module.child_env("cpu")
 
 
 def test_a_failed_compile_runs_mimo_again_without_torch_compile(summary, tmp_path):
