@@ -45,8 +45,9 @@ forward alike. Then:
   2 (dp-1)/dp x 4 bytes per trained parameter of a rank (a part under LoRA: its adapters',
   ``planning.adapters``), or with the distributed optimizer
   reduce-scatter (dp-1)/dp x 4 and all-gather (dp-1)/dp x w; the language model's routed
-  experts over their expert dp (tp x dp / (etp x ep)) instead; over the node's bandwidth when
-  the module's ranks fit in a node, else the network's; modules on separate ranks reduce at
+  experts over their expert dp (tp x dp / (etp x ep)) instead; each over the node's bandwidth
+  where every group it reduces over lies in one node, else the network's (a module spanning
+  nodes by its pipeline stages reduces within each); modules on separate ranks reduce at
   once (the slowest counts), colocated ones one after another. The language model's dense
   gradients reduce over dp x cp (megatron-core's dp_cp group: each CP rank's gradient is its
   part of the sequence's).
@@ -450,11 +451,13 @@ class Advisor:
         params, experts = params + own + own_experts, experts + own_experts
         if not params:
             return 0.0
-        bandwidth = self.device.node_gbs if module.size <= self.device.per_node \
-            else self.device.network_gbs
         dense = module.dp * (module.cp if name == LANGUAGE else 1)       # dp_cp
-        return (self._reduce(params - experts, dense, settings) +
-                self._reduce(experts, module.expert_dp, settings)) / (bandwidth * 1e9)
+        # each over its own groups' bandwidth: dp_cp ranks tp apart; expert DP ranks etp x ep
+        # apart (megatron-core's expert view: etp, ep, edp)
+        return self._reduce(params - experts, dense, settings) / (
+            self._group_gbs(module, module.tp, dense) * 1e9) + \
+            self._reduce(experts, module.expert_dp, settings) / (
+                self._group_gbs(module, module.expert_tp * module.ep, module.expert_dp) * 1e9)
 
     @staticmethod
     def _reduce(params: float, dp: int, settings: mem.Settings) -> float:
