@@ -285,6 +285,20 @@ def test_mixture_of_experts_layers_are_lora_targets():
                                            f"here{fused}: give {ours})"), refused.value
     with pytest.raises(TrainConfigError, match="router .*stays un-adapted"):
         check_language_targets(adapted("router"), 4, 8, shared_expert=True)
+    # transformers' name of the router said as one; a shared expert offered only where
+    # there is one (Qwen3-VL-MoE has none)
+    for shared in (True, False):
+        with pytest.raises(TrainConfigError, match="transformers' mlp.gate\\): it stays "
+                           "un-adapted") as refused:
+            check_language_targets(adapted("gate"), 4, 8, shared_expert=shared)
+        assert ("shared_experts.linear_fc1" in str(refused.value)) is shared
+        assert "or the routed experts ('*.local_experts.*.linear_fc1', " in str(refused.value)
+    # PEFT's name of a fused expert layer (gate_up_proj, what a mixture's adapters export
+    # as): pointed at megatron-core's
+    with pytest.raises(TrainConfigError, match=r"\(transformers' gate_up_proj is "
+                       "megatron-core's linear_fc1 here, which holds gate and up as one "
+                       r"layer: give linear_fc1\)$"):
+        check_language_targets(adapted("gate_up_proj"), 4, 8)
     # some routed experts only, or (where the layers are stacked alike) some layers' only:
     # refused, as their adapters could not be saved; a hybrid decoder's layers may differ
     for targets, stacked, said in (

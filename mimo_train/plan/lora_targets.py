@@ -56,16 +56,19 @@ def check_language_targets(adapted: Iterable[Adapted], num_layers: int, experts:
         if each.part.module != LANGUAGE:
             continue
         names = language_linears(num_layers, experts, shared_expert, linear_layers)
-        routers = [f"decoder.layers.{i}.mlp.router" for i in range(num_layers)]
+        # megatron-core's name of the router, and transformers' (mlp.gate)
+        routers = [f"decoder.layers.{i}.mlp.{name}" for i in range(num_layers)
+                   for name in ("router", "gate")]
         for target in each.spec.targets:
             if experts and not any(matches(target, n) for n in names) and \
                     any(matches(target, n) for n in routers):
+                shared = "shared_experts.linear_fc1 / linear_fc2, " if shared_expert else ""
                 raise TrainConfigError(
                     f"model.lora.{each.part.name}.targets has {target!r}, the "
-                    "mixture-of-experts router (mlp.router): it stays un-adapted (its logits "
-                    "choose each token's experts, a plain weight, not a linear layer); "
-                    "target the attention, shared_experts.linear_fc1 / linear_fc2 or the "
-                    "routed experts (linear_fc1, linear_fc2) instead")
+                    "mixture-of-experts router (mlp.router, transformers' mlp.gate): it stays "
+                    "un-adapted (its logits choose each token's experts, a plain weight, not a "
+                    f"linear layer); target the attention, {shared}or the routed experts "
+                    "('*.local_experts.*.linear_fc1', '*.local_experts.*.linear_fc2') instead")
         check_targets(each, names)
         _check_routed_experts(each, num_layers, experts, stacked=not linear_layers)
 
@@ -104,7 +107,7 @@ def _check_routed_experts(adapted: Adapted, num_layers: int, experts: int,
 # model.lora.language.targets takes (q, k and v are one fused layer there, gate and up too)
 PEFT_NAMES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
               "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
-              "down_proj": "linear_fc2"}
+              "down_proj": "linear_fc2", "gate_up_proj": "linear_fc1"}   # (a fused one's)
 
 
 def check_targets(adapted: Adapted, names: set[str]) -> None:
