@@ -7,9 +7,10 @@ preprocessor_config.json names it) and ``Qwen3_5Model`` / ``Qwen3_5MoeModel``'s
   image, a video, both, two images, a system turn, several turns and text only (the dense
   replica; the MoE replica, whose files are the same, for one conversation);
 - the training template (``mimo_data/preprocess/templates/qwen3_5.jinja``) renders the published
-  template's text character for character, tool calls and reasoning included; with the
-  published template itself a conversation of several turns has no placeable loss (its earlier
-  turns lose their think block), so it is dropped as ``template_mismatch``;
+  template's text character for character, tool calls and reasoning included; the published
+  template itself places no loss in a conversation of several turns (its earlier turns lose
+  their think block): given (a config written by hand), mimo renders through its copy, and
+  the same template edited by a character drops such a sample as ``template_mismatch``;
 - trained: in each turn after the last user query what follows the template's generation
   prompt (``<think>\\n``): the closing ``</think>``, the answer and ``<|im_end|>``; in earlier
   turns the answer and ``<|im_end|>``;
@@ -276,13 +277,24 @@ def test_tool_use_trains_what_the_model_writes(config, processor):
         "not trained" for n in (7 + 4 + 4, 7 + 4 + 6 + 4)]
 
 
-def test_several_turns_need_the_training_template(config, records):
+def test_several_turns_need_the_training_template(config, records, tmp_path):
     """The published template writes earlier answers without the think block its generation
-    prompt opens: incremental rendering cannot place them, the sample is dropped, counted."""
-    published = Preprocessor(dataclasses.replace(config, chat_template=None), with_media=False)
+    prompt opens: incremental rendering cannot place them. Given as it is published (the
+    tokenizer's own, no chat_template: a config written by hand), mimo renders through its
+    copy with generation blocks (the same text): a conversation of several turns is kept with
+    the copy's ids and mask; a template differing from the published one (a comment added:
+    the same text) is the user's own, rendered as it is: that sample is dropped, counted."""
     single, multi = records["image"][0], records["multi-turn"][0]
-    assert not isinstance(published.text_batch([single])[0], Exception)
-    failed = published.text_batch([multi])[0]
+    copy = Preprocessor(config, with_media=False).text_batch([multi])[0]
+    published = Preprocessor(dataclasses.replace(config, chat_template=None), with_media=False)
+    kept = published.text_batch([multi])[0]
+    assert not isinstance(kept, Exception) and np.array_equal(kept.ids, copy.ids) and \
+        np.array_equal(kept.loss_mask, copy.loss_mask) and kept.loss_mask.sum() > 0
+    own = tmp_path / "own.jinja"
+    own.write_text("{# a copy of the user's #}" + published.text.tokenizer.chat_template)
+    edited = Preprocessor(dataclasses.replace(config, chat_template=str(own)), with_media=False)
+    assert not isinstance(edited.text_batch([single])[0], Exception)
+    failed = edited.text_batch([multi])[0]
     assert getattr(failed, "reason", None) == "template_mismatch"
 
 

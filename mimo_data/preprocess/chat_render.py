@@ -43,6 +43,7 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.end_of_turn import (EosAppending, answer_endings, caption_appending,
                                               end_tokens, eos_appending, turn_end)
 from mimo_data.preprocess.template_contents import contents_inserted_verbatim
+from mimo_data.preprocess.templates import with_generation
 from mimo_data.preprocess.tokenizer_loading import added_bos, chat_template
 from mimo_data.shards.format import in_loss
 from mimo_data.tally import CountedError
@@ -118,7 +119,9 @@ class ChatRenderer:
         self.contents_verbatim = True       # caption mode joins the contents as they are
         self.eos_appending: EosAppending = caption_appending(config.append_eos, self.eot)
         if config.mode == "chat":
-            self.template = template = chat_template(config, tokenizer)
+            # a published template mimo copies with generation blocks: that copy (the same
+            # text), so every turn's loss is placed
+            self.template = template = with_generation(chat_template(config, tokenizer))
             self.has_generation_blocks = bool(_GENERATION_BLOCK.search(template))
             self.template_kwargs = dict(tokenizer.special_tokens_map)
             # transformers' own compiled (cached) template: render_jinja_template's per-call

@@ -22,8 +22,6 @@ sampling and timestamps). What differs:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mimo_data.preprocess.templates as templates
 from mimo_data.modalities.image import ImageConfig
 from mimo_train.families import qwen2_vl, qwen3_vl
@@ -32,11 +30,11 @@ from mimo_train.families import qwen2_vl, qwen3_vl
 image_geometry, read, video_settings = qwen3_vl.image_geometry, qwen3_vl.read, \
     qwen3_vl.video_settings
 # the published chat template with generation blocks (the same text)
-TEMPLATE = Path(templates.__file__).parent / "qwen3_5.jinja"
-# sha256 of the published template TEMPLATE stands in for (tools/published/Qwen--Qwen3.5-4B/
-# chat_template.jinja, the MoE's the same); another template in a checkpoint's folder (one a
-# fine-tune of it trained with, a user's own) is that checkpoint's, and trained through as is
-PUBLISHED_TEMPLATE_SHA256 = "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715"
+TEMPLATE = templates.COPIES[templates.QWEN3_5_PUBLISHED_SHA256]
+# sha256 of the published template TEMPLATE stands in for; another template in a checkpoint's
+# folder (one a fine-tune of it trained with, a user's own) is that checkpoint's, and trained
+# through as is
+PUBLISHED_TEMPLATE_SHA256 = templates.QWEN3_5_PUBLISHED_SHA256
 
 
 class Qwen3_5Vision(qwen2_vl.Qwen2VLVision):
