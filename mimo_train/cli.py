@@ -98,12 +98,21 @@ def _main(args, parser: argparse.ArgumentParser) -> int:
     from mimo_train.training.trainer import train
     console.say(f"{console.PREFIX}torch and megatron-core loaded "
                 f"({time.perf_counter() - start:.1f} s)")
+    from mimo_train.runtime.preemption import StartupSignal, before_training
     try:
-        trainer = train(plan, args.records)
+        with before_training(cfg.train.exit_signals):
+            trainer = train(plan, args.records)
         if trainer.failure:             # too many skipped steps (components/anomalies.py)
             return 1
         if trainer.stopped_by:          # preempted: checkpoint saved (runtime/preemption.py)
             return 128 + trainer.stopped_by
+    except StartupSignal as stopped:    # every rank got it (torchrun, Slurm): one line
+        if console.rank() == 0:
+            print(f"{console.PREFIX}{signal.Signals(stopped.number).name} during start-up: "
+                  "stopped before training, nothing saved; a rerun resumes the last "
+                  "checkpoint saved, where there is one, else starts over", file=sys.stderr,
+                  flush=True)
+        return 128 + stopped.number
     except StartupError as error:
         return console.report_failure(error)
     except RunError as error:

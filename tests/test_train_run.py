@@ -642,6 +642,42 @@ def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys, du
         in capsys.readouterr().out
 
 
+def test_a_signal_before_the_training_steps_stops_the_rank_with_its_clean_ups(monkeypatch,
+                                                                              tmp_path):
+    """An exit signal during start-up (a token table's write, here) raises StartupSignal:
+    the table's temporary file is removed on the way out (the default action would leave it in
+    the dataset's folder); the handlers before are back after; once the training steps have
+    begun (``ExitSignals`` entered), the start-up handler gives the default action."""
+    import os
+    import signal
+
+    import pyarrow as pa
+
+    from mimo_data.shards import cache
+    from mimo_train.runtime import preemption
+
+    before = signal.getsignal(signal.SIGUSR1)
+    digest = cache.columns_digest
+
+    def signalled(table):           # once the table's first temporary file is written
+        os.kill(os.getpid(), signal.SIGUSR1)        # handled at the next bytecode
+        return digest(table)
+    monkeypatch.setattr(cache, "columns_digest", signalled)
+    with pytest.raises(preemption.StartupSignal) as stopped:
+        with preemption.before_training(["SIGUSR1"]):
+            cache.write_table(str(tmp_path / "tokens.arrow"), pa.table({"x": [1, 2]}), "k",
+                              cache.Labels("tokens", "d"))
+    assert stopped.value.number == signal.SIGUSR1 and os.listdir(tmp_path) == []
+    assert signal.getsignal(signal.SIGUSR1) == before
+    monkeypatch.setattr(preemption, "_training", True)
+    killed: list[int] = []
+    monkeypatch.setattr(preemption.os, "kill", lambda pid, number: killed.append(number))
+    with preemption.before_training(["SIGUSR1"]):
+        signal.getsignal(signal.SIGUSR1)(signal.SIGUSR1, None)
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and \
+            killed == [signal.SIGUSR1]
+
+
 def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path):
     """The trainer's resume and model.init_from (in process, the checkpoint's tensor checks
     and loads stubbed) run the checkpoint's LoRA alpha check: a run with alpha 64 on adapters

@@ -32,6 +32,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
@@ -41,6 +43,39 @@ REPEAT_SECONDS = 2.0
 # what ``ExitSignals.agreed`` returns when no rank got a signal but the deadline passed (no
 # signal has this number)
 PAST_DEADLINE = 1024
+
+class StartupSignal(BaseException):
+    """One of ``train.exit_signals`` received before the training steps began (a token table
+    or a checkpoint load can take minutes): raised, so the rank's clean-ups run (a table's
+    temporary file removed, the claim of a resume's folder released) and it says so, rather
+    than the default action ending it without a word. A BaseException: no ``except
+    Exception`` on the way takes it for a failure."""
+
+    def __init__(self, number: int):
+        super().__init__(number)
+        self.number = number
+
+
+_training = False       # the steps began (``ExitSignals`` entered): a signal is theirs now
+
+
+@contextmanager
+def before_training(names: list[str]) -> Iterator[None]:
+    """The run's exit signals raise ``StartupSignal`` until the training steps begin; once
+    they have (``ExitSignals``' handlers, then what follows them), the default action."""
+    def stop(number: int, frame: FrameType | None) -> None:
+        if _training:
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+            return
+        raise StartupSignal(number)
+    previous = {number: signal.signal(number, stop) for number in map(signal_number, names)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
 
 def signal_number(name: str) -> int:
     """``SIGTERM`` (or ``TERM``) -> its number; AttributeError for an unknown name."""
@@ -61,6 +96,8 @@ class ExitSignals:
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> ExitSignals:
+        global _training
+        _training = True
         for number in self.numbers:
             self._previous[number] = signal.signal(number, self._handle)
         return self
