@@ -245,6 +245,8 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
         "loss_mask_coverage": set(),
     }
     assert {check: flagged_keys(report, check) for check in expected} == expected
+    # a user's turn after the last answer: reported (it trains nothing), failing nothing
+    assert flagged_keys(report, "trailing_turns") == {keys["fault-trailing-image"]}
     reasons = {e["key"]: e["detail"].split(":")[0] for e in report["flagged"]["dropped"]}
     assert reasons[keys["fault-long"]] == "too_long"
     assert reasons[keys["fault-prompt-only"]] == "no_trained_tokens"
@@ -270,7 +272,8 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
                 line.replace(str(directory.parent) + "/", ""), (key, line)
     assert {c["name"]: c["passed"] for c in report["checks"]} == {
         **{check: not found for check, found in expected.items()},
-        "trained_token_fraction": True, "kept_samples": True, "skipped_records": False}
+        "trained_token_fraction": True, "kept_samples": True, "skipped_records": False,
+        "trailing_turns": True}
     # the skipped record asked for by its id: no sample, and why, from skipped.jsonl
     code, _, err = run(capsys, "sample", directory, "--config", configs["default"], "--key",
                        "fault-missing-image")
@@ -385,6 +388,8 @@ def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_a
         {"id": "reasoning-field", "messages": [
             {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello.", "reasoning_content": " Greet back. "}]},
+        # a last user turn after the last answer: context that trains nothing
+        {"id": "ends-on-user", "messages": turns("Hi", "Hello.", "Bye.")},
     ]
     twice = {"id": "reasoning-twice", "messages": [
         {"role": "user", "content": "Hi"},
@@ -421,9 +426,15 @@ def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_a
     assert "FAIL reasoning_dropped" not in err
     assert flagged_keys(report, "unclosed_think") == {keys["unclosed"]}
     assert "FAIL unclosed_think: 1 of " in err
+    # reported, failing no run by default
+    [entry] = report["flagged"]["trailing_turns"]
+    assert entry["key"] == keys["ends-on-user"] and \
+        entry["detail"] == "1 turn(s) after the last answer train nothing"
+    assert "FAIL trailing_turns" not in err
     code, _, err = report_json(capsys, tmp_path, tmp_path / "shards", config,
-                               "--max-reasoning-dropped-fraction", "0")
-    assert code == 1 and "FAIL reasoning_dropped" in err
+                               "--max-reasoning-dropped-fraction", "0",
+                               "--max-trailing-turns-fraction", "0")
+    assert code == 1 and "FAIL reasoning_dropped" in err and "FAIL trailing_turns" in err
 
 
 # SmolLM2's ChatML turns, each answer written by DeepSeek-R1's published rule (its

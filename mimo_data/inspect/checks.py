@@ -17,6 +17,7 @@ class Thresholds:
     max_empty_answer_turns_fraction: float = 0.0
     max_reasoning_dropped_fraction: float = 1.0         # reported, off by default
     max_unclosed_think_fraction: float = 0.0
+    max_trailing_turns_fraction: float = 1.0            # reported, off by default
     max_template_failures: int = 0
     max_marker_mismatches: int = 0
     max_placeholder_mismatches: int = 0
@@ -43,6 +44,9 @@ CHECKS = {
                        "samples training an answer whose <think> has no </think> after it "
                        "(no template takes it apart: the model learns to open a think block "
                        "it never closes)"),
+    "trailing_turns": ("max_trailing_turns_fraction", "fraction",
+                       "samples ending on turns after their last answer (a user's, a tool's): "
+                       "context that trains nothing, often a final answer lost in conversion"),
     "template_failures": ("max_template_failures", "count",
                           "samples the chat template cannot render or round-trip"),
     "marker_mismatches": ("max_marker_mismatches", "count",

@@ -216,6 +216,8 @@ class Gallery:
             labels.append("reasoning_dropped")
         if stats.unclosed_think:
             labels.append("unclosed_think")
+        if stats.trailing_turns:
+            labels.append("trailing_turns")
         if stats.marker_mismatch:
             labels.append("marker_mismatch")
         if stats.placeholder_mismatch:

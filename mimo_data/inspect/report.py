@@ -23,6 +23,9 @@ unclosed_think              it trains an answer whose last <think> has no       
                             </think> after it: the template writes it as text,
                             teaching the model to open a think block it never
                             closes
+trailing_turns              it ends on turns after its last answer (a user's,   fraction 1
+                            a tool's): context that trains nothing, often a     (reported,
+                            final answer lost in conversion                     off)
 template_failures           the template cannot render / round-trip it          count 0
 marker_mismatches           its media markers ≠ its media list                  count 0
 placeholder_mismatches      modality tokens in input_ids ≠ counts from metadata count 0
@@ -157,6 +160,9 @@ class ReportBuilder:
                 flagged["unclosed_think"].add(
                     stats, f"{stats.unclosed_think} answer(s) hold a <think> with no </think> "
                     "after it")
+            if stats.trailing_turns:
+                flagged["trailing_turns"].add(
+                    stats, f"{stats.trailing_turns} turn(s) after the last answer train nothing")
             if stats.placeholder_mismatch:
                 flagged["placeholder_mismatches"].add(stats, stats.describe_placeholders())
             if stats.coverage_failure:

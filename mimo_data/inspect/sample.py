@@ -197,6 +197,9 @@ def sample_problems(stats: SampleStats) -> list[str]:
         problems.append(f"unclosed think: {stats.unclosed_think} answer(s) hold a <think> with "
                         "no </think> after it (trained as text: the model learns to open a "
                         "think block it never closes; close it or take it out)")
+    if stats.trailing_turns:
+        problems.append(f"trailing turns: {stats.trailing_turns} turn(s) after the last answer "
+                        "(a user's, a tool's) train nothing: a final answer lost?")
     if stats.marker_mismatch:
         problems.append(f"marker/media mismatch: {stats.describe_markers()}")
     if stats.placeholder_mismatch:

@@ -65,6 +65,7 @@ class SampleStats:
     empty_answers: int = 0                # kept answers without text: their end of turn alone
     reasoning_dropped: int = 0            # answers whose reasoning the template leaves out
     unclosed_think: int = 0               # trained answers with a <think> never closed
+    trailing_turns: int = 0               # turns after the last answer (a user's, a tool's)
     kind: str = "conversation"            # the record's kind (shards/format.py)
     placeholders: dict[str, int] = field(default_factory=dict)   # modality tokens in input_ids
     # per kept item, from metadata (None: not computable)
@@ -238,6 +239,9 @@ class SampleInspector:
                                   for turn, message in enumerate(kept))
         stats.unclosed_think = 0 if document else sum(
             in_loss(message) and unclosed_think(message) for message in kept)
+        roles = [message.get("role") for message in kept]
+        stats.trailing_turns = 0 if document or "assistant" not in roles else \
+            roles[::-1].index("assistant")
         headers = None if document else self.headers(
             tuple(str(message.get("role")) for message in kept))
         self.coverage(stats, kept, text.ids, np.concatenate(([False], text.loss_mask)),
