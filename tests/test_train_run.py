@@ -669,10 +669,16 @@ def test_a_signal_before_the_training_steps_stops_the_rank_with_its_clean_ups(mo
                               cache.Labels("tokens", "d"))
     assert stopped.value.number == signal.SIGUSR1 and os.listdir(tmp_path) == []
     assert signal.getsignal(signal.SIGUSR1) == before
-    monkeypatch.setattr(preemption, "_training", True)
+    # the ignoring ExitSignals leaves once the ranks agreed to stop stays (torchrun's SIGTERM
+    # to the ranks still saving would kill them)
+    with preemption.before_training(["SIGUSR1"]):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    signal.signal(signal.SIGUSR1, before)
     killed: list[int] = []
     monkeypatch.setattr(preemption.os, "kill", lambda pid, number: killed.append(number))
     with preemption.before_training(["SIGUSR1"]):
+        monkeypatch.setattr(preemption, "_training", True)      # ExitSignals entered
         signal.getsignal(signal.SIGUSR1)(signal.SIGUSR1, None)
         assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and \
             killed == [signal.SIGUSR1]

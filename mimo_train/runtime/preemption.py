@@ -62,7 +62,12 @@ _training = False       # the steps began (``ExitSignals`` entered): a signal is
 @contextmanager
 def before_training(names: list[str]) -> Iterator[None]:
     """The run's exit signals raise ``StartupSignal`` until the training steps begin; once
-    they have (``ExitSignals``' handlers, then what follows them), the default action."""
+    they have (``ExitSignals``' handlers, then what follows them), the default action. On the
+    way out the handlers before come back, but not over the ignoring ``ExitSignals`` leaves
+    once the ranks agreed to stop (torchrun's SIGTERM would kill a rank still saving)."""
+    global _training
+    _training = False                   # (a process may run several: the tests' jobs)
+
     def stop(number: int, frame: FrameType | None) -> None:
         if _training:
             signal.signal(number, signal.SIG_DFL)
@@ -74,7 +79,8 @@ def before_training(names: list[str]) -> Iterator[None]:
         yield
     finally:
         for number, handler in previous.items():
-            signal.signal(number, handler)
+            if signal.getsignal(number) is stop:
+                signal.signal(number, handler)
 
 
 def signal_number(name: str) -> int:
