@@ -107,6 +107,9 @@ def _main(args, parser: argparse.ArgumentParser) -> int:
         if trainer.stopped_by:          # preempted: checkpoint saved (runtime/preemption.py)
             return 128 + trainer.stopped_by
     except StartupSignal as stopped:    # every rank got it (torchrun, Slurm): one line
+        if cfg.checkpoint.dir:          # this run's claim, where rank 0 took one: released
+            from mimo_train.components.checkpoint import unclaim
+            unclaim(cfg.checkpoint.dir)
         if console.rank() == 0:
             print(f"{console.PREFIX}{signal.Signals(stopped.number).name} during start-up: "
                   "stopped before training, nothing saved; a rerun resumes the last "

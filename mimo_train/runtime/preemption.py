@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,9 @@ from typing import Any
 from mimo_train.runtime import distributed
 
 REPEAT_SECONDS = 2.0
+# seconds a rank blocked in a collective or the rendezvous during start-up (where Python runs
+# no signal handler) has after a start-up signal before it ends without its clean-ups
+STARTUP_GRACE_S = 5.0
 # what ``ExitSignals.agreed`` returns when no rank got a signal but the deadline passed (no
 # signal has this number)
 PAST_DEADLINE = 1024
@@ -47,7 +51,7 @@ PAST_DEADLINE = 1024
 class StartupSignal(BaseException):
     """One of ``train.exit_signals`` received before the training steps began (a token table
     or a checkpoint load can take minutes): raised, so the rank's clean-ups run (a table's
-    temporary file removed, the claim of a resume's folder released) and it says so, rather
+    temporary file removed, the run's claim of its checkpoint.dir released) and it says so, rather
     than the default action ending it without a word. A BaseException: no ``except
     Exception`` on the way takes it for a failure."""
 
@@ -62,25 +66,61 @@ _training = False       # the steps began (``ExitSignals`` entered): a signal is
 @contextmanager
 def before_training(names: list[str]) -> Iterator[None]:
     """The run's exit signals raise ``StartupSignal`` until the training steps begin; once
-    they have (``ExitSignals``' handlers, then what follows them), the default action. On the
-    way out the handlers before come back, but not over the ignoring ``ExitSignals`` leaves
-    once the ranks agreed to stop (torchrun's SIGTERM would kill a rank still saving)."""
+    they have (``ExitSignals``' handlers, then what follows them), the default action. A copy
+    of the same delivery (within ``REPEAT_SECONDS``) lets the clean-ups finish; a later one
+    ends the rank at once. A rank blocked in a collective or the rendezvous, whose handler
+    cannot run, ends ``STARTUP_GRACE_S`` after the signal, saying so (``_watch``). On the way
+    out the handlers before come back, but not over the ignoring ``ExitSignals`` leaves once
+    the ranks agreed to stop (torchrun's SIGTERM would kill a rank still saving)."""
     global _training
     _training = False                   # (a process may run several: the tests' jobs)
+    numbers = frozenset(map(signal_number, names))
+    raised: list[float] = []            # when the first one was raised
 
     def stop(number: int, frame: FrameType | None) -> None:
-        if _training:
+        if _training or (raised and time.monotonic() - raised[0] > REPEAT_SECONDS):
             signal.signal(number, signal.SIG_DFL)
             os.kill(os.getpid(), number)
             return
+        if raised:                      # torchrun's copy of the same: the clean-ups go on
+            return
+        raised.append(time.monotonic())
         raise StartupSignal(number)
-    previous = {number: signal.signal(number, stop) for number in map(signal_number, names)}
+    previous = {number: signal.signal(number, stop) for number in numbers}
+    reading, writing = os.pipe()
+    os.set_blocking(writing, False)
+    woken = signal.set_wakeup_fd(writing, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(reading, numbers, raised), daemon=True,
+                     name="mimo-startup-signals").start()
     try:
         yield
     finally:
+        signal.set_wakeup_fd(woken)
+        os.close(writing)               # the watch reads the end, and ends
         for number, handler in previous.items():
             if signal.getsignal(number) is stop:
                 signal.signal(number, handler)
+
+
+def _watch(reading: int, numbers: frozenset[int], raised: list[float]) -> None:
+    """Each signal's number as the interpreter's C handler writes it (``set_wakeup_fd``), at
+    once, while the main thread may be blocked in a collective or the rendezvous, where its
+    Python handler does not run: where that has not run ``STARTUP_GRACE_S`` later, the rank
+    ends as the default action would (128 + N), saying so from rank 0."""
+    try:
+        while data := os.read(reading, 64):
+            for number in data:
+                if number not in numbers or _training or raised:
+                    continue
+                time.sleep(STARTUP_GRACE_S)
+                if not (raised or _training):
+                    if os.environ.get("RANK", "0") == "0":
+                        os.write(2, f"mimo-train: {signal.Signals(number).name} during "
+                                 "start-up, in a collective: stopped before training, nothing "
+                                 "saved\n".encode())
+                    os._exit(128 + number)
+    finally:
+        os.close(reading)
 
 
 def signal_number(name: str) -> int:
