@@ -1486,7 +1486,8 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
     code, out, err = inspected(os.path.relpath(root), "--all", "--workers", "2")
     assert code == 1 and "\nstep_0000009: INCOMPLETE: no integrity.json: its save did not " \
         "finish" in out and "; left after step_0000006, which a resume loads: it ignores this " \
-        "folder" in out and "FAIL step_0000009" not in err, (out, err)
+        "folder (its save of that step, if any, replaces it; else it may be deleted)" in out \
+        and "FAIL step_0000009" not in err, (out, err)
     assert out.endswith(f"step_0000003 > {root / 'latest'}\n"), out
     # each step checked once, said once (the fallback's paths are absolute, --all's relative)
     assert err.count("FAIL step_0000006: meta.json: hash mismatch") == 1 and \

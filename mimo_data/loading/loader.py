@@ -783,8 +783,9 @@ class RankLoader:
                 f"the loader state was saved for other data (fingerprint "
                 f"{state['fingerprint'][:12]}..., these datasets give "
                 f"{self.source.fingerprint[:12]}...: different shards, blend weights or "
-                "preprocessing drops), so the order would not continue where it stopped. Use "
-                "the same datasets and config; to train the checkpoint's weights on other "
+                "preprocessing drops, which a mimo version that keeps other samples under the "
+                "same config changes too), so the order would not continue where it stopped. "
+                "Use the same datasets and config; to train the checkpoint's weights on other "
                 "data, start a new run from them (model.init_from=CHECKPOINT, another "
                 "checkpoint.dir: a new optimizer and sample stream); mimo-train has no key "
                 "that resumes the old position in another order")

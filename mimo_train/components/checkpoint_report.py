@@ -107,13 +107,18 @@ def inspect_checkpoints(path: str, every: bool = False, workers: int = 4) -> Fin
     found.reports = [check_step(step, workers) for step in chosen]
     for report in found.reports:
         report.leftover = not report.complete and found.resumes is not None and \
-            os.path.basename(report.path) > os.path.basename(found.resumes)
+            _step_of(report.path) > _step_of(found.resumes)
     resumed = next((r for r in found.reports if r.path == found.resumes), None)
     if resumed is None or not resumed.intact:
         fallback = earlier_steps(named) if named else \
             [os.path.join(path, name) for name in reversed(complete_steps(path))]
         found.instead = _first_intact(found, fallback, workers)
     return found
+
+
+def _step_of(folder: str) -> int:
+    """The step a step folder's name holds (``step_0000009``: 9)."""
+    return int(os.path.basename(os.path.normpath(folder)).rpartition("_")[2])
 
 
 def _first_intact(found: Findings, candidates: list[str], workers: int) -> str | None:
@@ -241,7 +246,8 @@ def _print(found: Findings) -> None:
             print(f"{_name(found, report)}: {'DAMAGED' if report.complete else 'INCOMPLETE'}: "
                   + "; ".join(report.problems) + (
                       f"; left after {os.path.basename(found.resumes or '')}, which a resume "
-                      "loads: it ignores this folder, and its save of that step replaces it"
+                      "loads: it ignores this folder (its save of that step, if any, replaces "
+                      "it; else it may be deleted)"
                       if report.leftover else ""))
         if report.meta:
             print(f"  {_summary(report.meta)}")
