@@ -138,6 +138,8 @@ OTHER_LIBRARIES = {
     # torch.compile's error at its recompile limit under fullgraph (no public name)
     ("mimo_train.runtime.compile", "_dynamo"),
     ("mimo_data.worker_pool", "_exit"),         # os._exit: documented, the child's way out
+    # os._exit from a watching thread (signal.signal works in the main thread alone)
+    ("mimo_train.runtime.preemption", "_exit"),
     # the executor's workers, to kill them: Python 3.12 has no public way (3.14's
     # terminate_workers)
     ("mimo_data.worker_pool", "_processes"),

@@ -401,7 +401,10 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
         try:
             os.makedirs(directory)
         except OSError as error:
-            refusal = (str(_save_failed(error, directory)), True)
+            refusal = (f"checkpoint {directory} cannot be made ({error.strerror}; rank 0 makes "
+                       "it): nothing of it is written, latest not moved (a resume loads the "
+                       "one before, if any); checkpoint.dir must be a folder rank 0 can write "
+                       "to, with nothing else in a step folder's place", True)
     refusal = distributed.broadcast(refusal, src=0)     # every rank stops, none waits
     if refusal:
         raise CheckpointError(refusal[0], damaged=refusal[1])

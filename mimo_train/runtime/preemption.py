@@ -106,7 +106,7 @@ def _watch(reading: int, numbers: frozenset[int], raised: list[float]) -> None:
     """Each signal's number as the interpreter's C handler writes it (``set_wakeup_fd``), at
     once, while the main thread may be blocked in a collective or the rendezvous, where its
     Python handler does not run: where that has not run ``STARTUP_GRACE_S`` later, the rank
-    ends as the default action would (128 + N), saying so from rank 0."""
+    ends with the default action's status (128 + N), saying so from rank 0."""
     try:
         while data := os.read(reading, 64):
             for number in data:
@@ -118,7 +118,7 @@ def _watch(reading: int, numbers: frozenset[int], raised: list[float]) -> None:
                         os.write(2, f"mimo-train: {signal.Signals(number).name} during "
                                  "start-up, in a collective: stopped before training, nothing "
                                  "saved\n".encode())
-                    os._exit(128 + number)
+                    os._exit(128 + number)      # the default action's status, at once
     finally:
         os.close(reading)
 
