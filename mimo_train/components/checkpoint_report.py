@@ -106,19 +106,15 @@ def inspect_checkpoints(path: str, every: bool = False, workers: int = 4) -> Fin
         [found.resumes] if found.resumes else []
     found.reports = [check_step(step, workers) for step in chosen]
     for report in found.reports:
+        # (step folders' names are of one width, STEP_NAME: they compare as their steps do)
         report.leftover = not report.complete and found.resumes is not None and \
-            _step_of(report.path) > _step_of(found.resumes)
+            os.path.basename(report.path) > os.path.basename(found.resumes)
     resumed = next((r for r in found.reports if r.path == found.resumes), None)
     if resumed is None or not resumed.intact:
         fallback = earlier_steps(named) if named else \
             [os.path.join(path, name) for name in reversed(complete_steps(path))]
         found.instead = _first_intact(found, fallback, workers)
     return found
-
-
-def _step_of(folder: str) -> int:
-    """The step a step folder's name holds (``step_0000009``: 9)."""
-    return int(os.path.basename(os.path.normpath(folder)).rpartition("_")[2])
 
 
 def _first_intact(found: Findings, candidates: list[str], workers: int) -> str | None:
