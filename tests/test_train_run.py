@@ -701,6 +701,39 @@ def test_a_signal_before_the_training_steps_stops_the_rank_with_its_clean_ups(mo
             killed == [signal.SIGUSR1]
 
 
+def test_mimo_train_stopped_by_a_signal_during_start_up(monkeypatch, tmp_path, capsys, setup):
+    """``mimo-train`` (in process, one rank: the trainer's start-up stubbed as one that has
+    claimed checkpoint.dir and is reading a table when SIGTERM comes) exits 143 with one line
+    saying it stopped before training and nothing was saved, and releases its claim of the
+    folder (a rerun from another host would otherwise wait for it to go stale)."""
+    import signal
+    import time
+
+    from mimo_train import cli
+    from mimo_train.components import checkpoint_owner
+    from mimo_train.training import trainer as module
+
+    _, common, _ = setup
+    root = tmp_path / "checkpoints"
+
+    def start_up(plan, records):
+        root.mkdir()
+        checkpoint_owner.claim(str(root))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)                  # the handler raises at the next bytecode
+        raise AssertionError("SIGTERM did not stop the start-up")
+    monkeypatch.setattr(module, "train", start_up)
+    before = signal.getsignal(signal.SIGTERM)
+    code = cli.main(["--config", str(REPO / "configs" / "train" / CONFIG), *common,
+                     f"checkpoint.dir={root}"])
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM, err
+    assert err.count("mimo-train: SIGTERM during start-up: stopped before training, nothing "
+                     "saved") == 1, err
+    assert "Traceback" not in err and os.listdir(root) == [], (err, os.listdir(root))
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path):
     """The trainer's resume and model.init_from (in process, the checkpoint's tensor checks
     and loads stubbed) run the checkpoint's LoRA alpha check: a run with alpha 64 on adapters
