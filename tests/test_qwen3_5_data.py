@@ -410,7 +410,7 @@ def test_a_checkpoint_trains_through_its_own_template_unless_it_is_the_published
     from transformers import AutoProcessor
 
     from mimo_data.preprocess.tokenizer_loading import load_tokenizer
-    from mimo_train.families.qwen3_5 import TEMPLATE
+    from mimo_data.preprocess.templates import COPIES, QWEN3_5_PUBLISHED_SHA256
     from mimo_train.families.registry import preprocessing_for
     published = PUBLISHED / "Qwen--Qwen3.5-4B"
 
@@ -422,10 +422,11 @@ def test_a_checkpoint_trains_through_its_own_template_unless_it_is_the_published
                     name == "resaved" and each.name.startswith(("tokenizer", "chat_template"))):
                 (made / each.name).symlink_to(each)
         return made
-    assert preprocessing_for(str(published))["chat_template"] == str(TEMPLATE)
+    template = COPIES[QWEN3_5_PUBLISHED_SHA256]
+    assert preprocessing_for(str(published))["chat_template"] == str(template)
     resaved = folder("resaved")
     AutoProcessor.from_pretrained(published).save_pretrained(resaved)
-    assert preprocessing_for(str(resaved))["chat_template"] == str(TEMPLATE)
+    assert preprocessing_for(str(resaved))["chat_template"] == str(template)
     own = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n" \
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     custom = tmp_path / "custom"

@@ -15,26 +15,18 @@ sampling and timestamps). What differs:
   multi-token-prediction layers (``mtp.*``) are carried through export untrained;
 - the published chat template writes earlier assistant turns without their reasoning, so the
   loss of a conversation of several turns cannot be placed through it: mimo trains through
-  ``TEMPLATE``, the published text with ``{% generation %}`` blocks around what each assistant
-  turn writes (``preprocessing_for`` names it where the checkpoint's template is the published
-  one).
+  its copy (``mimo_data.preprocess.templates``), the published text with ``{% generation %}``
+  blocks around what each assistant turn writes, wherever the published one is given.
 """
 
 from __future__ import annotations
 
-import mimo_data.preprocess.templates as templates
 from mimo_data.modalities.image import ImageConfig
 from mimo_train.families import qwen2_vl, qwen3_vl
 
 # Qwen3-VL's: the same tokens, prefixes, processors and video rules
 image_geometry, read, video_settings = qwen3_vl.image_geometry, qwen3_vl.read, \
     qwen3_vl.video_settings
-# the published chat template with generation blocks (the same text)
-TEMPLATE = templates.COPIES[templates.QWEN3_5_PUBLISHED_SHA256]
-# sha256 of the published template TEMPLATE stands in for; another template in a checkpoint's
-# folder (one a fine-tune of it trained with, a user's own) is that checkpoint's, and trained
-# through as is
-PUBLISHED_TEMPLATE_SHA256 = templates.QWEN3_5_PUBLISHED_SHA256
 
 
 class Qwen3_5Vision(qwen2_vl.Qwen2VLVision):

@@ -11,11 +11,11 @@ import dataclasses
 import json
 import os
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 from mimo_data.errors import listed
 from mimo_data.hub import not_cached
+from mimo_data.preprocess import templates
 from mimo_data.preprocess.config import looks_like_path
 from mimo_train.checkpoint_folders import LATEST, META, step_of
 from mimo_train.errors import CheckpointError, EncoderBuildError, TrainConfigError
@@ -40,9 +40,6 @@ OWN_MODALITIES = tuple(dict.fromkeys(modality for modality, _ in DEFAULT_KINDS))
 # whole VLM model_type -> its family module (``read``, ``image_geometry``)
 VLMS = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl,
         "qwen3_vl_moe": qwen3_vl, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5, "llava": llava}
-# whole VLM model_type -> the chat template mimo trains through where the published one cannot
-# place every turn's loss (the same text, with generation blocks)
-CHAT_TEMPLATES = {"qwen3_5": qwen3_5.TEMPLATE, "qwen3_5_moe": qwen3_5.TEMPLATE}
 # model_type -> why mimo does not take it
 REFUSED = {
     "llava_next": "LLaVA-NeXT tiles images at any resolution (any-res), which mimo's image "
@@ -158,22 +155,11 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
         modalities["video"] = copy.deepcopy(   # no YAML anchors shared with the image's
             {"token": text(vlm.video_token_id, "video token"), **wrap,
              **family.video_settings(config, video_processor[1])})
-    template = _training_template(vlm.family, tokenizer.chat_template)
+    # a published template mimo copies with generation blocks: named as the one trained through
+    template = templates.copy_of(tokenizer.chat_template)
     return {"tokenizer": os.path.abspath(path) if os.path.isdir(path) else path,
             **({"chat_template": str(template)} if template else {}),
             "mode": "chat", "positions": vlm.positions, "modalities": modalities}
-
-
-def _training_template(family: str, template: object) -> Path | None:
-    """The chat template a run on a ``family`` checkpoint whose own is ``template`` trains
-    through: mimo's copy with generation blocks (``CHAT_TEMPLATES``) where the checkpoint's is
-    the published one it copies, None (the checkpoint's own) otherwise."""
-    import hashlib
-    published = getattr(VLMS[family], "PUBLISHED_TEMPLATE_SHA256", None)
-    if family in CHAT_TEMPLATES and isinstance(template, str) and \
-            hashlib.sha256(template.encode()).hexdigest() == published:
-        return CHAT_TEMPLATES[family]
-    return None
 
 
 def checkpoint_config(path: str, key: str):

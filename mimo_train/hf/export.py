@@ -582,7 +582,7 @@ def written_files(out: str) -> dict[str, int]:
 def _run_template(plan, tokenizer) -> str | None:
     """The chat template the run trained with where it is its own (``chat_template:`` in
     its preprocessing config), None where it is the base's: the tokenizer's, its
-    processor's, or the base's with mimo's generation blocks (``CHAT_TEMPLATES``)."""
+    processor's, or the base's with mimo's generation blocks (``templates.copy_of``)."""
     from mimo_data.preprocess.tokenizer_loading import chat_template
     preprocess = plan.preprocess
     if preprocess.mode != "chat" or not preprocess.chat_template:
@@ -590,11 +590,10 @@ def _run_template(plan, tokenizer) -> str | None:
     template = chat_template(preprocess, tokenizer)
     if plan.vlm is not None:
         from mimo_train.families.base import model_directory
-        from mimo_train.families.registry import CHAT_TEMPLATES
+        from mimo_data.preprocess.templates import copy_of
         bases = [tokenizer.chat_template]
-        if plan.vlm.family in CHAT_TEMPLATES:
-            with open(CHAT_TEMPLATES[plan.vlm.family]) as f:
-                bases.append(f.read())
+        if (copy := copy_of(tokenizer.chat_template)) is not None:
+            bases.append(copy.read_text())
         directory = model_directory(plan.vlm.path)
         for name in ("chat_template.jinja", "chat_template.json"):
             if os.path.isfile(os.path.join(directory, name)):

@@ -19,8 +19,16 @@ QWEN3_5_PUBLISHED_SHA256 = "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07b
 COPIES = {QWEN3_5_PUBLISHED_SHA256: FOLDER / "qwen3_5.jinja"}
 
 
-def with_generation(template: str) -> str:
+def copy_of(template: object) -> Path | None:
     """mimo's copy of ``template`` with ``{% generation %}`` blocks where ``template`` is a
-    published one mimo copies (the same text rendered), else ``template``."""
-    copy = COPIES.get(hashlib.sha256(template.encode()).hexdigest())
+    published one mimo copies, else None (a template of the user's, or none)."""
+    if not isinstance(template, str):
+        return None
+    return COPIES.get(hashlib.sha256(template.encode()).hexdigest())
+
+
+def with_generation(template: str) -> str:
+    """``copy_of(template)``'s text (the same text rendered) where there is one, else
+    ``template``."""
+    copy = copy_of(template)
     return copy.read_text() if copy is not None else template
