@@ -66,8 +66,8 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
                      for item in record.history.item}
             history[items["_step"]] = items
     train = {r["step"]: r for r in records if "loss" in r}
-    # the logging steps, and step 3, whose evaluation (not a logging step) shows it first
-    assert sorted(history) == [2, 3, 4]
+    # every step's scalars, not only the logging steps' (2, 4 and 3, shown by its evaluation)
+    assert sorted(history) == [1, 2, 3, 4]
     (evaluation,) = [r for r in records if "eval_loss" in r]
     assert history[3]["eval_loss"] == pytest.approx(evaluation["eval_loss"], rel=1e-12)
     for step, items in history.items():
@@ -87,6 +87,12 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
     assert [line.split(":")[0] for line in lines] == [
         "step    2", "step    3", "eval step 3", "step    4"], lines
     lines = [line for line in lines if line.startswith("step ")]
+    # step 2's line: its own loss, then the interval's per trained token
+    interval = (train[1]["loss"] * train[1]["tokens"] + train[2]["loss"] * train[2]["tokens"]) \
+        / (train[1]["tokens"] + train[2]["tokens"])
+    assert lines[0].startswith(f"step    2: loss {train[2]['loss']:.4f} (steps 1-2: "
+                               f"{interval:.4f})  grad_norm "), (lines[0], train)
+    assert "(steps" not in lines[1] + lines[2], lines         # one step each
     assert all(" trained tok/s " in line and " seq tok/s " in line
                                    and "  data wait " in line for line in lines), lines
     # the shipped config's checkpoint.interval, its checkpoint.dir overridden to null

@@ -17,7 +17,9 @@ while the device still runs queued work costs it nothing, one with the device's 
 is the device idle; ``memory_mib``: ``PeakMemory``, max over the ranks; ``memory_mibs``: the
 same per module, max over its ranks, as ``forward_s``); an evaluation
 record: ``step, eval_loss, eval_tokens``. Every rank builds the same records (the values are
-reduced over the world); only rank 0 prints and writes TensorBoard.
+reduced over the world); only rank 0 prints and writes TensorBoard (and W&B): every step's
+scalars, the line of each logging step, which with ``train.log_interval`` > 1 adds the loss
+per trained token over the interval's steps (its own loss is one step's).
 
 Reading a device value on the host waits for every kernel queued before it, so a train step
 hands over ``StepValues`` whose device values are copied to the host as the device makes them
@@ -46,6 +48,7 @@ import os
 import secrets
 import string
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -272,8 +275,9 @@ def scalars(record: dict) -> dict[str, float]:
     return found
 
 
-def line(record: dict) -> str:
-    """The stdout line of a record."""
+def line(record: dict, interval: Sequence[dict] = ()) -> str:
+    """The stdout line of a record; ``interval``: the train records of the logging interval it
+    ends (``train.log_interval`` > 1), whose loss per trained token it adds."""
     if "eval_loss" in record:
         return (f"eval step {record['step']}: loss {record['eval_loss']:.4f} over "
                 f"{record['eval_tokens']} tokens")
@@ -282,7 +286,8 @@ def line(record: dict) -> str:
     lrs = record["lrs"]
     lr = f"lr {record['lr']:.2e}" if len(set(lrs.values())) <= 1 else \
         "lr " + " ".join(f"{module} {value:.2e}" for module, value in lrs.items())
-    return (f"step {record['step']:>4}: loss {record['loss']:.4f}  grad_norm "
+    return (f"step {record['step']:>4}: loss {record['loss']:.4f}{_interval_loss(interval)}  "
+            f"grad_norm "
             f"{record['grad_norm']:.3f}  {lr}  trained tokens {record['tokens']}  "
             f"{record['tokens_per_s']:.0f} trained tok/s  " + (
                 f"{record['sequence_tokens_per_s']:.0f} seq tok/s  "
@@ -293,6 +298,17 @@ def line(record: dict) -> str:
                 if "data_wait_s" in record else "") + skipped
             + (f"  moe_aux_loss {record['moe_aux_loss']:.4f}" if "moe_aux_loss" in record
                else ""))
+
+
+def _interval_loss(records: Sequence[dict]) -> str:
+    """`` (steps a-b: loss)``: the loss per trained token over ``records``' steps, those
+    skipped for non-finite gradients left out; empty for one step."""
+    if len(records) < 2:
+        return ""
+    counted = [r for r in records if not r["skipped"] and math.isfinite(r["loss"])]
+    tokens = sum(r["tokens"] for r in counted)
+    loss = sum(r["loss"] * r["tokens"] for r in counted) / tokens if tokens else math.nan
+    return f" (steps {records[0]['step']}-{records[-1]['step']}: {loss:.4f})"
 
 
 def _rate(record: dict) -> str:
@@ -495,12 +511,13 @@ class Metrics:
         if isinstance(values, dict):                   # an evaluation record: read already
             read = self.flush(show=True)               # its step's line first
             self._keep([values])
+            self._write(values["step"], scalars(values))
             self._show(values)
             return read
         self.pending.append(values)
         if values.step % self.log_interval == 0 or values.step == self.last_step:
             read = self.flush()
-            self._show(self.records[-1])
+            self._show(read[-1], read)
             return read
         return []
 
@@ -537,7 +554,7 @@ class Metrics:
             return []
         if show:
             read = self.flush()
-            self._show(read[-1])
+            self._show(read[-1], read)
             return read
         pending, self.pending = self.pending, []
         unsettled = [p.step for p in pending if p.lrs is None]
@@ -578,6 +595,8 @@ class Metrics:
             record.update(flops_fields(dict(zip(names, flops)), record["seconds"], world,
                                        self.peak_tflops))
         self._keep(read)
+        for record in read:                 # every step's, not only the logged ones'
+            self._write(record["step"], scalars(record))
         return read
 
     def _keep(self, records: list[dict]) -> None:
@@ -585,11 +604,10 @@ class Metrics:
         if self.file is not None:
             self.file.writelines(json_line(record) for record in records)
 
-    def _show(self, record: dict) -> None:
-        if not self.rank0:
-            return
-        print(line(record), flush=True)
-        self._write(record["step"], scalars(record))
+    def _show(self, record: dict, interval: Sequence[dict] = ()) -> None:
+        """``record``'s line (rank 0); ``interval``: as ``line``'s."""
+        if self.rank0:
+            print(line(record, interval), flush=True)
 
     def _write(self, step: int, values: dict[str, float]) -> None:
         """``values`` to TensorBoard and W&B (rank 0)."""
