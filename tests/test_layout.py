@@ -51,6 +51,7 @@ def test_yaml_and_dict_forms_equal_the_string_form(tmp_path):
     ("image=dp1", ["language"]),
     ("language=dp1;language=dp1", ["language", "twice"]),
     ("language dp1", ["NAME=FIELD"]),
+    ("language=tp1,dp;image=dp1", ["module 'language': field 'dp' needs its number, e.g. dp2"]),
     # a field or a modality given twice, never the last one kept (cp2,cp1: no cp at all)
     ("image=dp1,video;language=cp2,cp1", ["module 'language': cp is given twice (cp2, cp1)"]),
     ("image=dp1,video,video;language=dp1", ["module 'image': video is given twice"]),
@@ -119,6 +120,9 @@ def test_more_ranks_than_the_world():
     assert "colocated" in _error("language=dp2,off0;image=dp2,off0", 4)
     message = _error("language=pp2,off0;image=dp2,off0", 2, micro=2)
     assert "'language' has pp 2" in message and "non-colocated" in message
+    # a language model alone: one module, run as colocated (no stages) by megatron-core
+    message = _error("language=tp2,pp2", 4, micro=2)
+    assert "'language' alone has pp 2" in message and "use pp1" in message
 
 
 def test_dp_sizes_must_divide_each_other():

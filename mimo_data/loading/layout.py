@@ -312,6 +312,10 @@ class Layout:
                     modalities[item] = name
                     continue
                 match = re.fullmatch(r"(tp|cp|pp|dp|ep|etp|off)(\d+)", item)
+                bare = re.fullmatch(r"(tp|cp|pp|dp|ep|etp|off)", item)
+                if bare:
+                    raise LayoutError(f"module {name!r}: field {item!r} needs its number, "
+                                      f"e.g. {bare[1]}2")
                 if not match:
                     raise LayoutError(f"module {name!r}: field {item!r} unknown; use tpN, cpN, "
                                       "ppN, dpN, epN (expert parallel), etpN (expert tensor "
@@ -534,7 +538,12 @@ class Layout:
                                   f" but the world has {world_size} ranks: make every module's "
                                   f"tp*cp*pp*dp = {world_size} with offset 0")
             staged = [m for m in self.modules if m.pp > 1]
-            if len(self.modules) > 1 and staged:
+            if staged and len(self.modules) == 1:
+                raise LayoutError(f"module {staged[0].name!r} alone has pp {staged[0].pp}: "
+                                  "megatron-core 0.19 runs a model of one module whole on "
+                                  "every rank (no pipeline stages); use pp1 (tp, cp or dp "
+                                  "for the ranks)")
+            if staged:
                 raise LayoutError(f"colocated module {staged[0].name!r} has pp "
                                   f"{staged[0].pp}: megatron-core 0.19 runs colocated modules "
                                   "whole on every rank (no pipeline stages); use pp1, or put "

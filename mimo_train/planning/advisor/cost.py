@@ -205,7 +205,7 @@ class Advisor:
         lang = layout.language
         group = work.micro_batch_size * lang.dp
         m = work.global_batch_size // group
-        colocated = layout.colocated and len(layout.modules) > 1
+        colocated = layout.colocated
         stages = (1 if layout.encoders and not colocated else 0) + lang.pp
         lang_first = 1 if layout.encoders and not colocated else 0
         recompute = settings.recompute
