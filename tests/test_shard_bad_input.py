@@ -745,7 +745,7 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     # given to the next command, that output's report is named, not an interrupted build
     # a folder that is not there: a usage error (2), as README's exit status says
     code, _, err = cli_main(capsys, "info", tmp_path / "nowhere")
-    assert code == 2 and f"{tmp_path / 'nowhere'}: no such dataset directory" in err, err
+    assert code == 2 and f"{tmp_path / 'nowhere'}: no such directory (check the path" in err, err
     # a build's input given for its dataset: the file, or its folder, said as input
     code, _, err = cli_main(capsys, "info", path)
     assert code == 2 and f"{path} is a file, not a dataset's folder (index.json beside its " \

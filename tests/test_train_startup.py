@@ -151,7 +151,8 @@ CASES = [
     # -- missing shards
     ("dataset directory does not exist", "default",
      ["data.datasets=[{tmp}/no-such-shards]"], "config",
-     ["data.datasets: no dataset at {tmp}/no-such-shards: no such directory (check the path"]),
+     ["data.datasets: {tmp}/no-such-shards: no such directory (check the path: a dataset is "
+      "the folder `mimo-shard build` or `mimo-shard index` wrote)"]),
     ("an Energon dataset's metadata folder", "default",
      ["data.datasets=[{tmp}/energon/.nv-meta]"], "config",
      ["data.datasets: {tmp}/energon/.nv-meta is the metadata folder of the Energon dataset "
@@ -162,7 +163,12 @@ CASES = [
      ["data.datasets: s4://bucket/ds: no storage client knows the scheme s4://"]),
     ("a dataset whose build wrote no sample", "default",
      ["data.datasets=[{tmp}/none]"], "config",
-     ["no shards at {tmp}/none: a build wrote no sample there (report.json says why)"]),
+     ["data.datasets: {tmp}/none: no index.json: the build or indexing that wrote it kept no "
+      "sample; {tmp}/none/report.json says why"]),
+    ("a dataset whose index.json was deleted", "default",
+     ["data.datasets=[{tmp}/unindexed]"], "config",
+     ["data.datasets: {tmp}/unindexed: no index.json, so this is not a complete dataset (an "
+      "interrupted build or indexing?)"]),
     ("a dataset's own file given for it", "default",
      ["data.datasets=[{tmp}/corpus/index.json]"], "config",
      ["data.datasets: {tmp}/corpus/index.json is a file, not a dataset's folder (index.json "
@@ -192,7 +198,7 @@ CASES = [
       "validation loss"]),
     ("dataset directory of tars without index.json", "default",
      ["data.datasets=[{tmp}/unfinished]"], "config",
-     ["no shards at {tmp}/unfinished: tars with no index.json: tars made elsewhere",
+     ["data.datasets: {tmp}/unfinished: tars with no index.json: tars made elsewhere",
       "`mimo-shard index {tmp}/unfinished --output DIR`",
       "a `mimo-shard build` that wrote them was interrupted: run it again"]),
     # -- a checkpoint.dir this run cannot take: said before the model is built (rank 0)
@@ -347,6 +353,8 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
                                                 "conversations": [
         {"from": "human", "value": "<image>\nHello?"}, {"from": "gpt", "value": "Hi."}]}) + "\n")
     build_dataset([tmp / "none.jsonl"], tmp / "none")   # every record skipped: a report
+    shutil.copytree(tmp / "one", tmp / "unindexed")     # a whole build, its index deleted
+    (tmp / "unindexed" / "index.json").unlink()
     (tmp / "taken").mkdir()             # claimed by a live process: this test's
     (tmp / "taken" / OWNER).write_text(json.dumps({
         "host": socket.gethostname(), "pid": os.getpid(), **_process(os.getpid())}))

@@ -94,7 +94,8 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     if not storage.is_remote(directory) and os.path.isfile(storage.local_path(directory)):
         raise DatasetError(file_given_for_a_dataset(directory), missing=True)
     if not storage.is_remote(directory) and not os.path.isdir(storage.local_path(directory)):
-        raise DatasetError(f"{directory}: no such dataset directory", missing=True)
+        raise DatasetError(f"{directory}: no such directory (check the path: a dataset is the "
+                           "folder `mimo-shard build` or `mimo-shard index` wrote)", missing=True)
     try:
         return storage.read_bytes(storage.join(directory, INDEX_FILE), storage_options)
     except FileNotFoundError:

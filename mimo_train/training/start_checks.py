@@ -16,10 +16,8 @@ from mimo_data.loading.loader import given_twice, twice_said, variable_token_mod
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
 from mimo_data.shards.cache import environment_cache
-from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
-from mimo_data.shards.index import (energon_dataset_of, energon_metadata_given,
-                                    file_given_for_a_dataset, unindexed_tars,
-                                    unindexed_tars_advice)
+from mimo_data.shards.format import INDEX_FILE
+from mimo_data.shards.index import DatasetError, index_bytes
 from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.plan import RunPlan
@@ -71,29 +69,11 @@ def check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -
                                        cfg.data.storage_options)
             except storage.LocationError as exc:      # a misspelt option, said at first use
                 raise TrainConfigError(f"data.storage_options: {exc}") from None
-            if not there and not storage.is_remote(directory) and os.path.isfile(directory):
-                raise TrainConfigError(f"{key}: {file_given_for_a_dataset(directory)}")
-            energon = energon_dataset_of(directory) if not there else None
-            if energon is not None:
-                raise TrainConfigError(f"{key}: {energon_metadata_given(directory, energon)}")
-            if not there and not storage.is_remote(directory) and \
-                    not os.path.exists(storage.local_path(directory)):
-                raise TrainConfigError(
-                    f"{key}: no dataset at {directory}: no such directory (check the path: a "
-                    "dataset is the folder `mimo-shard build` or `mimo-shard index` wrote)")
-            if not there:
-                raise TrainConfigError(
-                    f"{key}: no shards at {directory}: " + (
-                        unindexed_tars_advice(directory)
-                        if unindexed_tars(directory, cfg.data.storage_options) else
-                        f"a build wrote no sample there ({REPORT_FILE} says why); fix the data "
-                        "and build it again"
-                        if storage.exists(storage.join(directory, REPORT_FILE),
-                                          cfg.data.storage_options) else
-                        "its bucket does not exist: check the URL and the endpoint"
-                        if not storage.bucket_exists(directory, cfg.data.storage_options) else
-                        f"{INDEX_FILE} is missing; build them with mimo-shard build ... "
-                        f"--output {directory}"))
+            if not there:                   # why not, as every reader of datasets says it
+                try:
+                    index_bytes(directory, cfg.data.storage_options)
+                except DatasetError as error:
+                    raise TrainConfigError(f"{key}: {error}") from None
     _check_no_copies(cfg)
     try:
         layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
