@@ -132,3 +132,17 @@ def test_a_missing_template_file_names_the_key(tmp_path):
                   chat_template="templates/missing.jinja")
     with pytest.raises(ConfigError, match=r"^chat_template: .*missing\.jinja"):
         PreprocessConfig.from_yaml(str(path))
+
+
+def test_a_folder_without_a_tokenizer_says_so_and_where_one_is(tmp_path):
+    """A folder above the tokenizer's (or any folder without its files): said in those
+    words, naming the folder inside that holds one, not transformers' words about
+    sentencepiece and slow tokenizers."""
+    shutil.copytree(TOKENIZER, tmp_path / "above" / "smollm2")
+    with pytest.raises(ConfigError) as caught:
+        load_tokenizer(PreprocessConfig(tokenizer=str(tmp_path / "above")))
+    assert str(caught.value) == (
+        f"tokenizer: {tmp_path / 'above'} holds no tokenizer files (tokenizer.json, "
+        "tokenizer_config.json, a vocabulary): give the folder a model or tokenizer was saved "
+        f"to (here: {tmp_path / 'above' / 'smollm2'})")
+    assert "sentencepiece" not in str(caught.value)

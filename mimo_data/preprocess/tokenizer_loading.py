@@ -124,7 +124,26 @@ def _tokenizer_files(folder: str) -> list[str]:
     return files
 
 
+def _holds_tokenizer(folder: str) -> bool:
+    """Whether ``folder`` holds a file of a tokenizer's (its tokenizer.json or config, a
+    vocabulary, merges or a sentencepiece model)."""
+    try:
+        names = [entry.name for entry in os.scandir(folder) if entry.is_file()]
+    except OSError:
+        return True                     # transformers says why it cannot read it
+    return any(name.startswith(("tokenizer", "vocab", "merges", "spiece"))
+               or name.endswith(".model") for name in names)
+
+
 def _loaded(name: str):
+    if os.path.isdir(name) and not _holds_tokenizer(name):
+        # transformers' message for this speaks of sentencepiece and slow tokenizers
+        inside = sorted(entry.path for entry in os.scandir(name)
+                        if entry.is_dir() and _holds_tokenizer(entry.path))
+        raise ConfigError(f"tokenizer: {name} holds no tokenizer files (tokenizer.json, "
+                          "tokenizer_config.json, a vocabulary): give the folder a model or "
+                          "tokenizer was saved to" + (f" (here: {', '.join(inside)})"
+                                                      if inside else ""))
     try:
         return AutoTokenizer.from_pretrained(name)
     except Exception as exc:  # hub errors, missing files, bad configs all surface here
