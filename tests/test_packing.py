@@ -121,3 +121,11 @@ def test_packed_placeholder_counts_are_checked_per_sample(source):
                                      "token_counts": text_only.token_counts})]
     with pytest.raises(BatchError, match="placeholders"):
         collate(wrong)
+    # one placeholder more than the sample's counts say (its first item's count one short)
+    fewer = {**with_image.token_counts, "image": [with_image.token_counts["image"][0] - 1,
+                                                  *with_image.token_counts["image"][1:]]}
+    over = with_image.__class__(**{**vars(with_image), "token_counts": fewer})
+    for packed in (True, False):
+        with pytest.raises(BatchError, match=rf"{over.key}: \d+ image placeholders, token "
+                           r"counts"):
+            Collator(source.metadata, packed=packed)([text_only, over])
