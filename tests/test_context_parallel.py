@@ -116,7 +116,8 @@ def test_what_the_step_keeps_for_later_is_on_its_device():
 
 
 def test_a_padded_batch_keeps_a_multiple_of_64_and_of_cp():
-    """The columns kept are the longest sample's, rounded up to 64 and to cp (here 3: 192)."""
+    """The columns kept are the longest sample's (in any row), rounded up to 64 and to cp (here
+    3: 192)."""
     real = torch.zeros(2, 300, dtype=torch.bool)
     real[0, :70] = True
     batch = {"input_ids": torch.ones(2, 300, dtype=torch.long), "attention_mask": real,
@@ -127,3 +128,8 @@ def test_a_padded_batch_keeps_a_multiple_of_64_and_of_cp():
     assert model_inputs(batch, _infra("language=cp2"), torch.device("cpu"))[
         "input_ids"].shape == (2, 128)
     assert real_tokens(batch, 3).shape == (2, 192) and int(real_tokens(batch, 3).sum()) == 70
+    # the longest sample in any row, not the first row's: a second row of 130 keeps 192 at cp1
+    real[1, :130] = True
+    assert model_inputs(batch, _infra("language=dp1"), torch.device("cpu"))[
+        "input_ids"].shape == (2, 192)
+    assert int(real_tokens(batch).sum()) == 200
