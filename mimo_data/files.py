@@ -36,6 +36,19 @@ def not_found(path: str) -> str:
     return "not found"
 
 
+def file_in_the_way(folder: str) -> str | None:
+    """The file that stands where ``folder`` or a folder above it would be (so that
+    ``folder`` cannot be made), None where there is none."""
+    path = os.path.abspath(folder)
+    while not os.path.isdir(path):
+        if os.path.lexists(path):
+            return path
+        if os.path.dirname(path) == path:
+            return None
+        path = os.path.dirname(path)
+    return None
+
+
 def file_sha256(path: str) -> str:
     """Hex SHA-256 of a file's bytes (shard indexes and checkpoint manifests record these)."""
     with open(path, "rb") as data:

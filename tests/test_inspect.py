@@ -610,6 +610,12 @@ def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
                        tmp_path)
     assert code == 2 and f"--html {tmp_path} is a folder: give the file to write (e.g. " \
         f"{tmp_path / 'report.html'})" in err, err
+    # its folder under a file
+    (tmp_path / "afile").write_text("in the way\n")
+    code, _, err = run(capsys, "report", clean, "--config", configs["default"], "--json",
+                       tmp_path / "afile" / "sub" / "report.json")
+    assert code == 2 and f"{tmp_path / 'afile'} is a file, not a folder; give another path" \
+        in err, err
     # a training config given for the preprocessing one: the one it names is said
     training = REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"
     code, _, err = run(capsys, "report", clean, "--config", training)

@@ -192,6 +192,11 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert main(["--checkpoint", str(smollm2.checkpoint), "--output", str(step_name)]) == 2
     assert f"--output {step_name} is a step's name in the checkpoint.dir " \
         f"{smollm2.checkpoint.parent}" in capsys.readouterr().err and not step_name.exists()
+    (tmp_path / "afile").write_text("in the way\n")          # a file where a folder goes
+    assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
+                 str(tmp_path / "afile" / "export")]) == 2
+    assert f"--output {tmp_path / 'afile' / 'export'}: {tmp_path / 'afile'} is a file, not a " \
+        "folder; give another path" in capsys.readouterr().err
     assert main(["--checkpoint", str(tmp_path / "nothing"), "--output",
                  str(tmp_path / "out")]) == 2
     assert "step_*" in capsys.readouterr().err

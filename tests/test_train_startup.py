@@ -142,7 +142,7 @@ CASES = [
     ("records and tensorboard folders that cannot be made", "default",
      ["--records={tmp}/afile/records.jsonl", "train.tensorboard_dir={tmp}/afile/tb"], "config",
      ["rank(s) [0]: TrainConfigError: --records: {tmp}/afile is a file, not a folder",
-      "train.tensorboard_dir: cannot create {tmp}/afile/tb: [Errno 20] Not a directory"]),
+      "train.tensorboard_dir: {tmp}/afile is a file, not a folder"]),
     # -- a cache folder that cannot be made: said in the config phase, not the data phase's
     ("a cache folder that cannot be made", "default",
      ["data.cache_dir={tmp}/afile/cache"], "config",

@@ -38,6 +38,7 @@ import time
 from mimo_data.inspect.checks import CHECKS, Thresholds
 from mimo_data.arguments import RUN_SEED, SEED, at_least, fraction, positive, user_path
 from mimo_data.errors import listed
+from mimo_data.files import file_in_the_way
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 
@@ -352,6 +353,9 @@ def _report(args, config, started: float) -> int:
                                for name in Thresholds.__dataclass_fields__})
     for flag, path in (("--json", args.json), ("--html", args.html)):
         folder = os.path.dirname(os.path.abspath(path)) if path and path != "-" else None
+        if folder is not None and (in_the_way := file_in_the_way(folder)):
+            raise ConfigError(f"{flag} {path}: {in_the_way} is a file, not a folder; give "
+                              "another path")
         if folder is not None and not os.path.isdir(folder):   # before the pass, not after
             raise ConfigError(f"{flag} {path}: its folder {folder} does not exist; create it "
                               "or give another path")

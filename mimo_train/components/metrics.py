@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mimo_data.files import write_atomic
+from mimo_data.files import file_in_the_way, write_atomic
 from mimo_data.process_memory import status_bytes
 from mimo_data.modalities.base import to_device
 from mimo_train.errors import TrainConfigError
@@ -420,8 +420,8 @@ def check_outputs(records: str | None, tensorboard_dir: str | None) -> None:
     for what, folder in folders:
         if folder is None or "://" in folder:     # a URL: its writer's to make
             continue
-        if os.path.exists(folder) and not os.path.isdir(folder):
-            problems.append(f"{what}: {folder} is a file, not a folder")
+        if in_the_way := file_in_the_way(folder):
+            problems.append(f"{what}: {in_the_way} is a file, not a folder")
             continue
         try:
             os.makedirs(folder, exist_ok=True)

@@ -66,6 +66,7 @@ import tempfile
 from collections.abc import Iterator
 
 from mimo_data.errors import listed
+from mimo_data.files import file_in_the_way
 from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
@@ -233,8 +234,10 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as error:
-        raise ExportError(f"--output {output}: its folder {parent} cannot be made: "
-                          f"{error}") from None
+        in_the_way = file_in_the_way(parent)
+        raise ExportError(f"--output {output}: " + (
+            f"{in_the_way} is a file, not a folder; give another path" if in_the_way else
+            f"its folder {parent} cannot be made: {error}")) from None
     if log is not None:
         for left in _unfinished(output):
             log(f"note: {left} is left by an export to {output} that did not finish (killed, "
