@@ -209,6 +209,8 @@ def test_shard_failed_data_and_checks_exit_1(capsys, tmp_path, good_records):
                           ("verify", "samples.parquet: missing, not at ")):
         code, err = _main(module, capsys, command, lost)
         assert code == 1 and said in err and "Traceback" not in err, err
+    assert err.rstrip().endswith(f"FAILED, 1 problem(s) in {lost}: restore what they name from "
+                                 "a copy of the dataset, or rebuild the dataset"), err
     (tmp_path / "tars").mkdir()                     # a WebDataset made elsewhere, not indexed
     (tmp_path / "tars" / "part-000000.tar").write_bytes(bytes(1024))
     code, err = _main(module, capsys, "info", tmp_path / "tars")

@@ -1874,6 +1874,8 @@ def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):
     assert code == 1 and f"pairs-000001.tar: {grown:,} bytes longer than the index says" in err \
         and "index the tars again (`mimo-shard index ... --overwrite`)" in err, err
     assert "FAILED, 1 problem(s)" in err and "every member sits" not in err, err
+    assert err.rstrip().endswith("or index the tars again where they are now (`mimo-shard "
+                                 "index`)"), err
     # the tars moved: verify says where it looked, and to index them where they are now
     shutil.move(tmp_path / "tars", tmp_path / "moved")
     code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")
