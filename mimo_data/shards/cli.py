@@ -273,10 +273,10 @@ def _run(args) -> int:
             print(f"verify: {problem}", file=sys.stderr)
         if problems:
             from mimo_data.shards.index import index_bytes, parse_index, remake
-            index = parse_index(args.directory, index_bytes(args.directory))   # verify read it
+            read = parse_index(args.directory, index_bytes(args.directory))   # verify read it
             print(f"mimo-shard verify: FAILED, {len(problems)} problem(s) in "
                   f"{args.directory}: restore what they name from a copy of the dataset, or "
-                  f"{remake(index)}", file=sys.stderr)
+                  f"{remake(read)}", file=sys.stderr)
             return 1
         print(f"mimo-shard verify: OK, {args.directory}")
     return 0
