@@ -213,6 +213,14 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert main(["--checkpoint", str(incomplete), "--output", str(tmp_path / "out")]) == 1
     assert "is damaged: " in (err := capsys.readouterr().err) and \
         err.endswith("no earlier checkpoint is beside it to export: restore it from a copy\n")
+    # its meta.json cut short: said as the manifest sees it, not as JSON's parse error
+    saved = (incomplete / "meta.json").stat().st_size
+    with open(incomplete / "meta.json", "r+") as meta:
+        meta.truncate(8)
+    assert main(["--checkpoint", str(incomplete), "--output", str(tmp_path / "out")]) == 1
+    assert f"checkpoint {incomplete} is damaged: meta.json: truncated (8 bytes, {saved:,} " \
+        "saved); no earlier checkpoint is beside it to export" in capsys.readouterr().err
+    (incomplete / "meta.json").write_text((smollm2.checkpoint / "meta.json").read_text())
     # an earlier one beside it (its manifest and meta.json are what is looked at): named to
     # export, not training's advice to resume from it
     (tmp_path / "ck").mkdir()

@@ -71,7 +71,7 @@ from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
-from mimo_train.errors import CheckpointError, ExportError
+from mimo_train.errors import CheckpointError, ExportError, IntegrityError
 from mimo_train.hf.processor_files import (PROCESSOR_FILES, copy_processor, name_processor,
                                            save_tokenizer, write_generation_config,
                                            write_tokenizer)
@@ -431,7 +431,7 @@ def _as_created(top: str) -> None:
 def _run_plan(directory: str, base: str | None = None):
     """The run's plan (its config resolved with its preprocessing config) and meta.json;
     ``base``: where its model.pretrained is now."""
-    from mimo_train.checkpoint_folders import META
+    from mimo_train.checkpoint_folders import META, damaged
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
     from mimo_train.plan import resolve
@@ -439,6 +439,12 @@ def _run_plan(directory: str, base: str | None = None):
     try:
         with open(path) as f:
             meta = json.load(f)
+    except ValueError as error:                 # cut short or changed since the save
+        raise _damaged(directory, damaged(directory, _meta_damage(directory) or
+                                          f"{path} is unreadable ({error})")) from None
+    except OSError as error:
+        raise ExportError(f"{path}: {error}", exit_code=1) from None
+    try:
         saved = copy.deepcopy(meta.get("preprocess"))    # before --base moves it
         if base is not None:
             _moved(meta, base, path)
@@ -453,6 +459,19 @@ def _run_plan(directory: str, base: str | None = None):
             else "make the paths it names exist again (a model.pretrained moved since: give "
             "where it is now with --base DIR)" if code == 2 else
             "the checkpoint is damaged: export another step"), exit_code=code) from None
+
+
+def _meta_damage(directory: str) -> str | None:
+    """What the step's manifest says is wrong with its meta.json (truncated, changed), None
+    where it says nothing (no manifest, or none that reads)."""
+    from mimo_train.checkpoint_folders import META
+    from mimo_train.components.digests import mismatches, read_manifest
+    try:
+        expected, sizes = read_manifest(directory)
+    except IntegrityError:
+        return None
+    found = mismatches(directory, [META], expected, sizes) if META in expected else []
+    return found[0] if found else None
 
 
 def _moved(meta: dict, base: str, path: str) -> None:
