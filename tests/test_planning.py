@@ -644,6 +644,10 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
     code, own, err = _run(capsys, main, "plan", loader_corpus, "--model", variant, "--layout",
                           LAYOUTS["language dp1"])
     assert code == 0 and own == given and "note" not in err, err
+    # the advisor's figures for this layout are one option away: its 4 GPUs named
+    assert own.splitlines()[-1] == ("memory    per rank and step time for --model: add --gpus 4 "
+                                    "(the advisor figures this layout and ranks it among the "
+                                    "others of 4 GPUs)"), own
     # a YAML that trains a mix: the plan is DIR's alone, said
     mix = yaml.safe_load(variant.read_text())
     mix["data"].update(datasets=[str(loader_corpus), "other"], weights=[1, 3])

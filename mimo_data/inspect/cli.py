@@ -541,7 +541,13 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
                   "layout for a run with data.split_media: true, give its training YAML as "
                   "--model beside --layout)", file=sys.stderr)
             return 2
-        return run_plan(args, config)
+        code = run_plan(args, config)
+        if code == 0 and args.model is not None and not args.json:
+            from mimo_data.loading.layout import Layout
+            gpus = Layout.parse(args.layout).world_size
+            print(f"memory    per rank and step time for --model: add --gpus {gpus} (the "
+                  f"advisor figures this layout and ranks it among the others of {gpus} GPUs)")
+        return code
     if advisor is None:
         return _needs_trainer("--model/--gpus (the layout advisor) need")
     if args.gpus is None or args.model is None or args.gpus < 1:
