@@ -294,7 +294,9 @@ def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records, 
     with pytest.raises(SampleDropped) as dropped:
         preprocessor(answer_first)
     assert dropped.value.reason == "template_mismatch" and \
-        "an assistant turn with no user turn before it" in str(dropped.value), dropped.value
+        "an assistant turn with no user turn before it" in str(dropped.value) and \
+        "start the conversation with a user turn (or a system turn)" in str(dropped.value), \
+        dropped.value
 
 
 @pytest.mark.parametrize("fmt, reason", [("jpeg", "corrupt_image"), ("wav", "corrupt_audio")])

@@ -328,9 +328,11 @@ class ChatRenderer:
                 raise TextError("template_mismatch", f"the chat template does not render "
                                 f"turn {i} as an extension of the turns before it, so the "
                                 "assistant span cannot be located; " + (
-                                    "it is an assistant turn with no user turn before it: a "
-                                    "conversation starts with the user (after an optional "
-                                    "system turn)" if first else
+                                    "it is an assistant turn with no user turn before it, "
+                                    "whose prompt the template renders otherwise alone than "
+                                    "in the conversation (a default system prompt it adds "
+                                    "once there are turns?): start the conversation with a "
+                                    "user turn (or a system turn)" if first else
                                     "give a chat_template with {% generation %} blocks"))
             spans.append((len(before), len(after)))
         return spans
