@@ -697,8 +697,9 @@ class _HostReads(TorchFunctionMode):
 def test_optimizer_step_on_device(language):
     """``mcore.optimizer_step.step_on_device``: megatron-core's ``MimoOptimizer`` step with no
     value read on the host (megatron-core's reads its norm, and makes its ranks agree twice,
-    each a read). Over three steps (clipping in each: the norm is above 1) the same norm,
-    weights and Adam moments bit for bit as megatron-core's step; then a step with NaN
+    each a read). Over three steps (clipping in each: the norm is above 1) and one whose norm
+    is below 1 (not clipped) the same norm, weights and Adam moments bit for bit as
+    megatron-core's step; then a step with NaN
     gradients and one with infinite ones: flagged 2 and 1, their norms NaN and infinite, and
     no weight, moment or step count moves. An optimizer without torch's fused update (which
     alone skips on the device) is refused before anything moves."""
@@ -725,17 +726,18 @@ def test_optimizer_step_on_device(language):
         return [*_weights(ddp), *(t.clone() for s in adam.state.values() for t in s.values())]
 
     (ddp, mimo, adam), (their_ddp, theirs, their_adam) = build(), build()
-    for _ in range(3):
-        backward(their_ddp, theirs)
+    for scale in (1.0, 1.0, 1.0, 1e-3):     # the last one's norm below clip_grad: not scaled
+        backward(their_ddp, theirs, scale)
         with _HostReads() as megatron:
             success, norm, _ = theirs.step()
-        backward(ddp, mimo)
+        backward(ddp, mimo, scale)
         with _HostReads() as ours:
             outcome = step_on_device(mimo)
-        assert success and norm > 1.0 and megatron.reads, megatron.reads
+        assert success and (norm > 1.0) == (scale == 1.0) and megatron.reads, megatron.reads
         assert not ours.reads and outcome.tolist() == [0.0, norm], (ours.reads, outcome, norm)
-    assert all(torch.equal(a, b) for a, b in zip(state(ddp, adam), state(their_ddp, their_adam)))
-    assert {float(s["step"]) for s in adam.state.values()} == {3.0}
+        assert all(torch.equal(a, b) for a, b in zip(state(ddp, adam),
+                                                     state(their_ddp, their_adam)))
+    assert {float(s["step"]) for s in adam.state.values()} == {4.0}
     before = state(ddp, adam)
     for scale, flag, norm in ((math.nan, 2.0, math.nan), (1e38, 1.0, math.inf)):
         backward(ddp, mimo, scale)

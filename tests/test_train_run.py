@@ -1668,6 +1668,14 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
         "step_0000008", "step_0000010", "step_0000012"]
     (tmp_path / "latest").write_text("step_0000008")        # latest names an older one
     assert prune(str(tmp_path), 1, str(tmp_path / "step_0000010")) == []
+    # an interrupted save between the kept ones counts for none of the N
+    other = tmp_path / "other"
+    for step, complete in ((6, True), (8, False), (10, True)):
+        (other / f"step_{step:07d}").mkdir(parents=True)
+        if complete:
+            (other / f"step_{step:07d}" / "integrity.json").write_text("{}")
+    (other / "latest").write_text("step_0000010")
+    assert prune(str(other), 2, str(other / "step_0000010")) == []
 
 
 def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):
@@ -1701,6 +1709,10 @@ def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):
     with pytest.raises(CheckpointError, match="image.projection would train"):
         _check_frozen(str(step), meta, {"modality_submodules.image.module.input_projections.x":
                                         None}, [])
+    # its tower frozen, resumed with the whole module frozen: more frozen, taken
+    meta["config"]["model"]["freeze"] = ["image.encoder"]
+    _check_frozen(str(step), meta, {"modality_submodules.image.module.encoders.x": None},
+                  ["image"])
     assert check(str(step), model, None)["step"] == 1         # model.init_from: any freeze
     # LoRA newly on the frozen tower (which then trains its adapters): said as the adapters
     # the checkpoint lacks, not as the freeze (whose remedy, freezing it, refuses LoRA there)
