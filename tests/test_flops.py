@@ -113,6 +113,8 @@ def test_frozen_parts_count_the_passes_they_run():
     assert training_passes(dims, parts("image", "audio", "language"),
                            parts("language"))["language"] == 3
     assert training_passes(SimpleNamespace(encoders={}), parts("language")) == {"language": 1}
+    # a frozen projection behind a trained tower: forward and its input's gradient
+    assert training_passes(dims, parts("image.projection"))["image.projection"] == 2
 
 
 def test_one_trains_for_flops_and_memory():

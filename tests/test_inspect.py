@@ -205,22 +205,31 @@ def test_report_numbers_are_the_preprocessors(capsys, tmp_path, faulty, configs)
     reader = ShardReader(str(directory))
     lengths, trained, drops = [], 0, {}
     placeholders = {m: 0 for m in preprocessor.text.modality_token_ids}
+    items = {m: [0, 0] for m in preprocessor.text.modality_token_ids}    # items, samples
+    dropped_media = 0
     for position in range(len(reader)):
         try:
             sample = preprocessor(reader.record(position))
         except SampleDropped as exc:
             drops[reader.table.key(position)] = exc.reason
+            dropped_media += bool(reader.record(position)["media"])
             continue
         lengths.append(len(sample.input_ids))
         trained += int(sample.loss_mask.sum())
         for modality, token_id in preprocessor.text.modality_token_ids.items():
             placeholders[modality] += int((sample.input_ids == token_id).sum())
+            counts = sample.token_counts.get(modality) or []
+            items[modality][0] += len(counts)
+            items[modality][1] += bool(counts)
     assert report["kept"] == len(lengths)
     assert report["tokens"]["real"] == sum(lengths)
     assert report["tokens"]["trained"] == trained
     assert report["sequence_length"]["stats"]["max"] == max(lengths)
     assert sum(b["count"] for b in report["sequence_length"]["histogram"]) == len(lengths)
     assert {m: d["tokens"] for m, d in report["modalities"].items()} == placeholders
+    # the kept samples' items and the kept samples with any (a dropped one's are not counted)
+    assert {m: [d["items"], d["samples"]] for m, d in report["modalities"].items()} == items
+    assert dropped_media > 0, drops
     assert {e["key"]: e["detail"].split(":")[0] for e in report["flagged"]["dropped"]} == drops
 
 

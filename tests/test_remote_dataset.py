@@ -566,6 +566,17 @@ def test_records_are_derived_from_the_shards_without_the_bucket_cache(s3, built,
 
 # ----------------------------------------------------------------------------------- faults
 
+def test_which_http_replies_are_retried():
+    """A server's error, throttling (429: an HTTP dataset's server, a hub's) and a request
+    timeout are tried again; a refusal or a missing object is not."""
+    import aiohttp
+
+    def reply(status: int) -> aiohttp.ClientResponseError:
+        return aiohttp.ClientResponseError(None, (), status=status)     # type: ignore[arg-type]
+    assert [status for status in (400, 403, 404, 408, 416, 429, 500, 502, 503)
+            if storage._transient(reply(status))] == [408, 429, 500, 502, 503]
+
+
 def test_injected_faults_are_retried_to_the_exact_bytes(s3, built, monkeypatch, capsys):
     monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
     retried = sum(storage.RETRIES.values())
