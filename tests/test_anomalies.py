@@ -179,3 +179,24 @@ def test_a_sample_a_step_holds_twice_is_listed_twice(monkeypatch):
                         lambda samples: [[first, again], [], [other]])
     record = anomalies.Watch(0, 0.0, 1).skip(3, "non-finite", math.nan, [first, again])
     assert record["anomaly"]["samples"] == [first, again, other]
+
+
+def test_spikes_are_looked_for_once_half_the_window_is_seen(monkeypatch):
+    """``train.spike_window`` 4, factor 2: a loss above twice the median of the steps before
+    is a spike from the third step on (half the window seen), not before; a skipped step's
+    loss is in no window."""
+    from mimo_train.components import anomalies
+    monkeypatch.setattr(anomalies.distributed, "gather", lambda samples: [samples])
+
+    def spiking(losses: list[float], skipped: tuple[int, ...] = ()) -> list[int]:
+        watch = anomalies.Watch(9, 2.0, 4)
+        for step in skipped:
+            watch.skip(step, "non-finite", math.nan, [])
+        records = [{"step": step, "loss": loss, "grad_norm": 1.0}
+                   for step, loss in enumerate(losses, 1)]
+        return [r["step"] for r in watch.spikes(records, {})]
+    assert spiking([1.0, 5.0]) == []                      # one step before: not yet
+    assert spiking([1.0, 1.0, 5.0]) == [3]
+    assert spiking([1.0, 1.0, 5.0, 1.0, 1.0, 1.1]) == [3]
+    # the skipped steps' losses are in no median: step 5's is 1, not 5
+    assert spiking([1.0, 1.0, 9.0, 9.0, 5.0], skipped=(3, 4)) == [5]

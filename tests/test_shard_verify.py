@@ -217,6 +217,8 @@ def test_an_edited_index_is_named_by_verify_info_and_the_report(capsys, dataset)
             (lambda index: index["shards"][0].update(bytes=str(index["shards"][0]["bytes"])),
              f"shards[0].bytes is '{original['shards'][0]['bytes']}' (str), expected a whole "
              "number >= 0"),
+            (lambda index: index["shards"][0].update(samples=-1),
+             "shards[0].samples is -1 (int), expected a whole number >= 0"),
             (lambda index: index["files"]["samples.parquet"].pop("sha256"),
              "files['samples.parquet'].sha256 is missing (text)")):
         edited(change)

@@ -103,5 +103,8 @@ def test_counts_that_differ_from_the_rows_are_refused():
     with pytest.raises(ValueError, match=r"Number of video tokens \(3\) does not match "
                                          r"number of video embeddings \(2\)"):
         _spliced(Spliced(weight, ids), ids, {**rows, "video": rows["video"][:2]})
+    with pytest.raises(ValueError, match=r"Number of video tokens \(3\) does not match "
+                                         r"number of video embeddings \(6\)"):       # more
+        _spliced(Spliced(weight, ids), ids, {**rows, "video": torch.cat([rows["video"]] * 2)})
     with pytest.raises(ValueError, match="3 video tokens but no video embeddings"):
         _spliced(Spliced(weight, ids), ids, {"image": rows["image"]})
