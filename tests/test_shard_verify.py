@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 import tarfile
@@ -100,7 +101,8 @@ def test_a_shard_cut_inside_a_member_is_named_and_each_shard_is_read_once(capsys
 
 def test_a_damaged_header_and_a_folder_member_are_named_as_such(capsys, dataset):
     """A member's header damaged in a shard of full length is said as a damaged header, with
-    where the file goes on to, not as a tar cut short; a folder added to a shard is named."""
+    where the file goes on to, not as a tar cut short; a folder added to a shard is named, and
+    a file of no sample."""
     row, _ = _member(dataset, ".jpg")
     shard = dataset / row["shard"]
     # a member in the shard's middle (the first's header is the tar's first: no tar at all)
@@ -119,6 +121,12 @@ def test_a_damaged_header_and_a_folder_member_are_named_as_such(capsys, dataset)
         tar.addfile(folder)
     err = _verify(capsys, dataset)
     assert f"shard {row['shard']}: member zzz is no file (a folder?)" in err, err
+    with tarfile.open(shard, "a") as tar:           # a file of no sample: a name without suffix
+        stray = tarfile.TarInfo("README")
+        stray.size = 5
+        tar.addfile(stray, io.BytesIO(b"notes"))
+    err = _verify(capsys, dataset)
+    assert f"shard {row['shard']}: member README belongs to no sample (no suffix)" in err, err
 
 
 def test_verify_decodes_media_even_when_the_checksum_was_updated(capsys, dataset):
