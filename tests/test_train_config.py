@@ -219,6 +219,8 @@ def test_a_dotted_lora_part_is_one_key_of_an_override():
     ("layout={modules: {language: {dp: 2}}}", lambda c: c.layout,
      {"modules": {"language": {"dp": 2}}}),
     ("model.projection=mlp", lambda c: c.model.projection, "mlp"),
+    ("checkpoint.dir=/runs/a#b", lambda c: c.checkpoint.dir, "/runs/a#b"),    # no comment
+    ("checkpoint.dir='/runs/try #2'", lambda c: c.checkpoint.dir, "/runs/try #2"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_override_values_are_parsed_as_yaml(tmp_path, override, get, expected):
     base = MINIMAL + "checkpoint: {dir: runs/base}\nmodel: {language: {vocab_size: 512}}\n"
@@ -328,6 +330,15 @@ def test_override_without_key_or_equals(tmp_path, override):
 def test_override_through_a_value_is_not_a_section(tmp_path):
     message = load_error(tmp_path, FULL, "train.steps.max=3")
     assert "train.steps.max=3" in message and "steps is not a section" in message
+
+
+def test_an_override_cut_by_a_yaml_comment_is_refused(tmp_path):
+    """A path with " #" in it, unquoted: YAML would read from the "#" on as a comment and the
+    run take the folder before it, without a word."""
+    message = load_error(tmp_path, MINIMAL, "checkpoint.dir=/runs/try #2")
+    assert message == ("override 'checkpoint.dir=/runs/try #2': YAML reads the value from its "
+                       "'#' on as a comment (leaving '/runs/try'); quote the value: "
+                       "'checkpoint.dir=\"/runs/try #2\"'"), message
 
 
 def test_override_with_invalid_yaml_value_names_the_override(tmp_path):

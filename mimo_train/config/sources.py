@@ -112,6 +112,15 @@ def _remove(data: dict, override: str, lora_settings: frozenset[str]) -> None:
     del node[parts[-1]]
 
 
+def _comment_in(text: str) -> bool:
+    """Whether YAML reads part of ``text`` as a comment (what follows its last token)."""
+    if "#" not in text:
+        return False
+    tokens = [token for token in yaml.scan(text)
+              if not isinstance(token, (yaml.StreamStartToken, yaml.StreamEndToken))]
+    return bool(text[tokens[-1].end_mark.index if tokens else 0:].strip())
+
+
 def apply_override(data: dict, override: str, base: str,
                    lora_settings: frozenset[str] = frozenset()) -> None:
     """Set ``key.path=value`` in the raw mapping; path values are taken from ``base``;
@@ -125,6 +134,10 @@ def apply_override(data: dict, override: str, base: str,
                                "(e.g. train.steps=50), or ~key.path to remove a key")
     try:
         value = load_yaml(text) if text else None
+        if _comment_in(text):       # a path with " #" in it would be cut there without a word
+            raise TrainConfigError(
+                f"override {override!r}: YAML reads the value from its '#' on as a comment "
+                f"(leaving {value!r}); quote the value: '{key}=\"{text}\"'")
     except yaml.constructor.ConstructorError as error:      # a key twice: said as it is
         raise TrainConfigError(f"override {override!r}: {error.problem}") from None
     except yaml.YAMLError as error:
