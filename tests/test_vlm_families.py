@@ -590,3 +590,22 @@ def test_a_siglip_llava_tower_and_projector_give_transformers_image_features(tmp
         theirs.reshape(-1, theirs.size(-1))
     assert ours.shape == (2 * 16, 64)
     assert (ours - theirs).abs().max() <= TOLERANCE
+
+
+def test_a_checkpoint_without_its_image_processor_says_what_to_do(tmp_path):
+    """A VLM saved without its processor files (``model.save_pretrained`` alone):
+    ``--preprocessing-for`` cannot read the image settings and says where they come from."""
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.registry import preprocessing_for
+    replica = REPO / "assets" / "models" / "tiny-qwen2-vl"
+    for each in replica.iterdir():
+        if each.name != "preprocessor_config.json":
+            (tmp_path / each.name).symlink_to(each)
+    with pytest.raises(TrainConfigError) as refused:
+        preprocessing_for(str(tmp_path))
+    assert str(refused.value) == (
+        f"{tmp_path} holds no image processor (preprocessor_config.json, or "
+        "processor_config.json with an image_processor): its settings cannot be read; copy "
+        "the processor files of the model it was made from beside it and run this again, or "
+        "write the preprocessing config by hand (the repository's configs/preprocess_*.yaml "
+        "show one for each family)")

@@ -130,7 +130,10 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
     if image_processor is None:
         raise TrainConfigError(f"{path} holds no image processor (preprocessor_config.json, or "
                                "processor_config.json with an image_processor): its settings "
-                               "cannot be read; write the preprocessing config by hand")
+                               "cannot be read; copy the processor files of the model it was "
+                               "made from beside it and run this again, or write the "
+                               "preprocessing config by hand (the repository's "
+                               "configs/preprocess_*.yaml show one for each family)")
     config = checkpoint_config(path, key)
     family = VLMS[vlm.family]
     geometry = family.image_geometry(config, image_processor[1])
