@@ -325,3 +325,28 @@ def test_the_closing_loss_line_says_what_it_averages():
                                     "first step) -> 7.0000 (the last step)")
     assert summary(records[:1]) == "mimo-train: loss of this run's one step: 9.0000"
     assert summary([{"step": 1}]) is None
+
+
+def test_wandb_gets_the_steps_in_order_with_a_spike_read_among_them(monkeypatch):
+    """A logging step reads steps 1-4, then the trainer logs a spike of step 2 and the
+    evaluation of step 4: W&B (which drops a step logged after a later one) gets 1, 2, the
+    spike's values at 2, 3, 4, the evaluation at 4. In process: rank 0's Metrics, its W&B run
+    a recorder."""
+    from types import SimpleNamespace
+
+    from mimo_train.components import metrics
+
+    monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
+    logged = metrics.Metrics(None, 4, 4, None, [])
+    sent: list[tuple[int, list[str]]] = []
+    logged.wandb = SimpleNamespace(log=lambda values, step: sent.append((step, sorted(values))),
+                                   finish=lambda: None)
+    logged.unwritten += [{"step": step, "loss": 1.0} for step in range(1, 5)]   # as flush
+    logged.log_anomaly({"step": 2, "anomaly": {"reason": "loss spike", "loss": 9.0,
+                                               "samples": []}})
+    logged.unwritten.append({"step": 4, "eval_loss": 2.0})                     # as log()
+    logged.publish()
+    assert sent == [(1, ["train/loss"]), (2, ["train/loss"]), (2, ["anomaly/loss"]),
+                    (3, ["train/loss"]), (4, ["train/loss"]), (4, ["eval_loss"])], sent
+    logged.close()
+    assert sent[6:] == []

@@ -566,7 +566,8 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     trainer.loader, trainer.samples = None, {}
     trainer.saver = SimpleNamespace(release=lambda: released.append(True))
     trainer.watch, trainer.profile = Watch(0, 0.0, 1), nullcontext()
-    trainer.metrics = SimpleNamespace(records=[], flush=lambda: [], close=lambda: None)
+    trainer.metrics = SimpleNamespace(records=[], flush=lambda: [], close=lambda: None,
+                                      publish=lambda: None)
     trainer._resume("ck/step_0000012")
     assert trainer._train() == []
     assert released == [True]

@@ -488,6 +488,9 @@ class Metrics:
         self.records: list[dict] = []
         self.peak_tflops: float | None = None      # MFU's denominator (the trainer's)
         self.pending: list[StepValues] = []
+        # records read and not yet written to TensorBoard / W&B (``publish``: in step order,
+        # which W&B needs: it drops a step logged after a later one)
+        self.unwritten: list[dict] = []
         self.writer = None
         if tensorboard_dir and self.rank0:
             from torch.utils.tensorboard import SummaryWriter
@@ -511,7 +514,7 @@ class Metrics:
         if isinstance(values, dict):                   # an evaluation record: read already
             read = self.flush(show=True)               # its step's line first
             self._keep([values])
-            self._write(values["step"], scalars(values))
+            self.unwritten.append(values)
             self._show(values)
             return read
         self.pending.append(values)
@@ -543,7 +546,7 @@ class Metrics:
             more = len(anomaly["samples"]) - 8
             print(f"step {record['step']:>4}: {anomaly['reason']}; samples {keys}"
                   + (f" and {more} more" if more > 0 else "") + " (in the records)", flush=True)
-            self._write(record["step"], scalars(record))
+        self.unwritten.append(record)
 
     def flush(self, show: bool = False) -> list[dict]:
         """Read the pending steps into records (collective: a reduction over the control
@@ -595,9 +598,16 @@ class Metrics:
             record.update(flops_fields(dict(zip(names, flops)), record["seconds"], world,
                                        self.peak_tflops))
         self._keep(read)
-        for record in read:                 # every step's, not only the logged ones'
-            self._write(record["step"], scalars(record))
+        self.unwritten += read              # every step's, not only the logged ones'
         return read
+
+    def publish(self) -> None:
+        """The records read since the last call to TensorBoard and W&B (rank 0), in step order:
+        a step's train record, then what was logged of it later (its evaluation, its anomaly).
+        The trainer calls it once it has logged the anomalies of the steps it read."""
+        unwritten, self.unwritten = self.unwritten, []
+        for record in sorted(unwritten, key=lambda r: r["step"]):
+            self._write(record["step"], scalars(record))
 
     def _keep(self, records: list[dict]) -> None:
         self.records += records
@@ -619,6 +629,7 @@ class Metrics:
 
     def close(self) -> None:
         self.flush()
+        self.publish()
         if self.writer is not None:
             self.writer.close()
         if self.wandb is not None:

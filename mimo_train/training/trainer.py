@@ -531,8 +531,11 @@ class Trainer:
         many skipped steps), or None."""
         if skipped:              # the steps before it, read now, are checked for spikes too
             read = read + self.metrics.flush()
-        for anomaly in [*self.watch.spikes(read, self.samples), *skipped]:   # in step order
-            self.metrics.log_anomaly(anomaly)
+        try:
+            for anomaly in [*self.watch.spikes(read, self.samples), *skipped]:  # in step order
+                self.metrics.log_anomaly(anomaly)
+        finally:                 # their scalars, and the steps', in step order
+            self.metrics.publish()
         if read:                 # their samples, and those of the steps before, are not needed
             last = max(record["step"] for record in read)
             for step in [step for step in self.samples if step <= last]:
