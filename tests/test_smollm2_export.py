@@ -220,6 +220,14 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert main(["--checkpoint", str(incomplete), "--output", str(tmp_path / "out")]) == 1
     assert f"checkpoint {incomplete} is damaged: meta.json: truncated (8 bytes, {saved:,} " \
         "saved); no earlier checkpoint is beside it to export" in capsys.readouterr().err
+    # JSON, but not the object saved (no integrity.json sizes to say more): said, no traceback
+    sizes = (incomplete / "integrity.json").read_text()
+    (incomplete / "integrity.json").write_text(json.dumps({"files": {}}))
+    (incomplete / "meta.json").write_text("[]")
+    assert main(["--checkpoint", str(incomplete), "--output", str(tmp_path / "out")]) == 1
+    assert f"checkpoint {incomplete} is damaged: {incomplete / 'meta.json'} is unreadable (not " \
+        "the JSON object saved, with the run's config)" in capsys.readouterr().err
+    (incomplete / "integrity.json").write_text(sizes)
     (incomplete / "meta.json").write_text((smollm2.checkpoint / "meta.json").read_text())
     # an earlier one beside it (its manifest and meta.json are what is looked at): named to
     # export, not training's advice to resume from it

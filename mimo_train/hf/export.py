@@ -439,6 +439,8 @@ def _run_plan(directory: str, base: str | None = None):
     try:
         with open(path) as f:
             meta = json.load(f)
+        if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+            raise ValueError("not the JSON object saved, with the run's config")
     except ValueError as error:                 # cut short or changed since the save
         raise _damaged(directory, damaged(directory, _meta_damage(directory) or
                                           f"{path} is unreadable ({error})")) from None
