@@ -57,7 +57,7 @@ CASES = {
     "language_layers_split": Case(
         "qwen2-vl", "image=dp1,video;language=pp4", (),
         "2 layers, which do not split into language pp4 (pipeline stages of equal numbers "
-        "of whole layers): use pp 1 or 2"),
+        "of whole layers): use pp1 or pp2"),
     "language_heads_split": Case(
         "qwen2-vl", "image=dp1,video;language=tp4", (),
         "2 query groups (key/value heads), which do not split into language tp4"),

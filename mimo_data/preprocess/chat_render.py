@@ -329,10 +329,11 @@ class ChatRenderer:
                                 f"turn {i} as an extension of the turns before it, so the "
                                 "assistant span cannot be located; " + (
                                     "it is an assistant turn with no user turn before it, "
-                                    "whose prompt the template renders otherwise alone than "
-                                    "in the conversation (a default system prompt it adds "
-                                    "once there are turns?): start the conversation with a "
-                                    "user turn (or a system turn)" if first else
+                                    "and the template renders what comes before it "
+                                    "differently on its own than within the conversation (a "
+                                    "default system prompt added once there are turns?): "
+                                    "start the conversation with a user turn (or a system "
+                                    "turn)" if first else
                                     "give a chat_template with {% generation %} blocks"))
             spans.append((len(before), len(after)))
         return spans

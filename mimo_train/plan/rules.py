@@ -93,8 +93,8 @@ def language_layers_split(facts: Facts, layout: Layout, settings: Settings) -> s
     if facts.layers % pp:
         fits = [n for n in range(1, facts.layers + 1) if facts.layers % n == 0]
         return (f"the language model has {facts.layers} layers, which do not split into "
-                f"language pp{pp} (pipeline stages of equal numbers of whole layers): use pp "
-                f"{', '.join(map(str, fits[:-1]))} or {fits[-1]}" if len(fits) > 1 else
+                f"language pp{pp} (pipeline stages of equal numbers of whole layers): use "
+                f"{', '.join(f'pp{n}' for n in fits[:-1])} or pp{fits[-1]}" if len(fits) > 1 else
                 f"the language model has {facts.layers} layer, which does not split into "
                 f"language pp{pp} (pipeline stages of whole layers): use pp1")
     return None

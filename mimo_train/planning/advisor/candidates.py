@@ -89,8 +89,8 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
             return
         found.append(layout)
 
-    for tp, cp, pp, dp in language_shapes(gpus):              # colocated
-        if pp == 1 or not encoders:
+    for tp, cp, pp, dp in language_shapes(gpus):              # colocated: no stages
+        if pp == 1:
             for experts in expert_layouts(model, tp, dp):
                 add({LANGUAGE: {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "rank_offset": 0,
                                 **experts},
