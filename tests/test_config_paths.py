@@ -146,3 +146,8 @@ def test_a_folder_without_a_tokenizer_says_so_and_where_one_is(tmp_path):
         "tokenizer_config.json, a vocabulary): give the folder a model or tokenizer was saved "
         f"to (here: {tmp_path / 'above' / 'smollm2'})")
     assert "sentencepiece" not in str(caught.value)
+    # a hub cache's model folder: its files two levels down, in snapshots/REVISION
+    snapshot = tmp_path / "models--org--tok" / "snapshots" / "abc123"
+    shutil.copytree(TOKENIZER, snapshot)
+    with pytest.raises(ConfigError, match=rf"\(here: {snapshot}\)$"):
+        load_tokenizer(PreprocessConfig(tokenizer=str(tmp_path / "models--org--tok")))

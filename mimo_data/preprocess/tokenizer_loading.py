@@ -131,15 +131,25 @@ def _holds_tokenizer(folder: str) -> bool:
         names = [entry.name for entry in os.scandir(folder) if entry.is_file()]
     except OSError:
         return True                     # transformers says why it cannot read it
-    return any(name.startswith(("tokenizer", "vocab", "merges", "spiece"))
-               or name.endswith(".model") for name in names)
+    return any(name.startswith(("tokenizer", "vocab", "merges", "spiece", "tekken"))
+               or name.endswith((".model", ".tiktoken")) for name in names)
+
+
+def _folders_below(folder: str, depth: int = 2) -> list[str]:
+    """The folders below ``folder``, ``depth`` levels down at most (a hub cache's model
+    folder holds its files in snapshots/REVISION)."""
+    try:
+        found = sorted(entry.path for entry in os.scandir(folder) if entry.is_dir())
+    except OSError:
+        return []
+    return found + [below for each in found for below in _folders_below(each, depth - 1)] \
+        if depth > 1 else found
 
 
 def _loaded(name: str):
     if os.path.isdir(name) and not _holds_tokenizer(name):
         # transformers' message for this speaks of sentencepiece and slow tokenizers
-        inside = sorted(entry.path for entry in os.scandir(name)
-                        if entry.is_dir() and _holds_tokenizer(entry.path))
+        inside = [below for below in _folders_below(name) if _holds_tokenizer(below)]
         raise ConfigError(f"tokenizer: {name} holds no tokenizer files (tokenizer.json, "
                           "tokenizer_config.json, a vocabulary): give the folder a model or "
                           "tokenizer was saved to" + (f" (here: {', '.join(inside)})"
