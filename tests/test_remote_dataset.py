@@ -894,6 +894,10 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
         assert remote == local
         code, out, err = cli_main(capsys, "verify", url, "--no-progress")
         assert code == 0 and "OK" in out, err
+        # a URL with a typo: said as such (no listing to say more), not as a build interrupted
+        code, _, err = cli_main(capsys, "info", f"{url}-typo")
+        assert code == 2 and f"{url}-typo: no index.json at {url}-typo/index.json: check the " \
+            "URL" in err, err
         # a shard the server refuses (a signed URL expired): access denied, at once, short
         shard = shard_paths(built.local)[0].name
         http.denied.add(f"{built.local.name}/{shard}")

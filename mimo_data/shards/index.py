@@ -106,6 +106,11 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
                 if storage.bucket_exists(directory, storage_options) else
                 "its bucket does not exist: check the URL and the endpoint"),
                 missing=True) from None
+        if names is None and directory.startswith(("http://", "https://")):
+            raise DatasetError(f"{directory}: no {INDEX_FILE} at "
+                               f"{storage.join(directory, INDEX_FILE)}: check the URL (a web "
+                               "server lists no folder, so nothing more can be said)",
+                               missing=True) from None
         if names and _foreign_tars(names):
             raise DatasetError(f"{directory}: {unindexed_tars_advice(directory)}") from None
         if names and REPORT_FILE in names and _kept_none(directory, storage_options):
