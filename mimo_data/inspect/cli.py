@@ -38,7 +38,6 @@ import time
 from mimo_data.inspect.checks import CHECKS, Thresholds
 from mimo_data.arguments import RUN_SEED, SEED, at_least, fraction, positive, user_path
 from mimo_data.errors import listed
-from mimo_data.files import file_in_the_way
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 
@@ -347,6 +346,7 @@ def _report(args, config, started: float) -> int:
     import json
 
     from mimo_data.errors import ConfigError
+    from mimo_data.files import file_in_the_way
     from mimo_data.inspect.report import build_report, failure_lines, format_report, write_json
     from mimo_data.inspect.stats import SampleInspector
     thresholds = Thresholds(**{name: getattr(args, name)

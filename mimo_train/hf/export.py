@@ -66,7 +66,6 @@ import tempfile
 from collections.abc import Iterator
 
 from mimo_data.errors import listed
-from mimo_data.files import file_in_the_way
 from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
@@ -234,6 +233,7 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as error:
+        from mimo_data.files import file_in_the_way
         in_the_way = file_in_the_way(parent)
         raise ExportError(f"--output {output}: " + (
             f"{in_the_way} is a file, not a folder; give another path" if in_the_way else
