@@ -609,3 +609,26 @@ def test_a_checkpoint_without_its_image_processor_says_what_to_do(tmp_path):
         "the processor files of the model it was made from beside it and run this again, or "
         "write the preprocessing config by hand (the repository's configs/preprocess_*.yaml "
         "show one for each family)")
+
+
+def test_a_checkpoint_of_pickled_weights_is_refused_before_anything_is_built(tmp_path):
+    """``model.pretrained`` at a folder whose weights are pytorch_model.bin only: refused by
+    the checks the trainer's start-up and ``plan --model`` run first (``check_training``),
+    not once the model is being built."""
+    import torch
+
+    from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.plan import check_training, resolve
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    for each in (REPO / "assets" / "models" / "tiny-qwen2-vl").iterdir():
+        if each.name != "model.safetensors":
+            (pickled / each.name).symlink_to(each)
+    torch.save({"a": torch.ones(2)}, pickled / "pytorch_model.bin")
+    (tmp_path / "data").mkdir()
+    cfg = TrainConfig.load(str(REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"),
+                           [f"model.pretrained={pickled}", f"data.datasets=[{tmp_path / 'data'}]"])
+    with pytest.raises(TrainConfigError, match=rf"^model.pretrained {pickled} holds no "
+                       r"model.safetensors .*, only pytorch_model.bin: save it as safetensors"):
+        check_training(resolve(cfg))

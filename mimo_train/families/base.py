@@ -262,6 +262,16 @@ def loaded_weight_files(directory: str) -> list[str]:
     return []
 
 
+def unreadable_weights(key: str, path: str, files: list[str]) -> str | None:
+    """Why the weight ``files`` (``loaded_weight_files``) of the model at ``path``, which
+    ``key`` names, cannot be read (mimo reads safetensors), None where they can."""
+    if files and files[0].endswith(".safetensors"):
+        return None
+    return (f"{key} {path} holds no model.safetensors (nor an index of safetensors shards)"
+            + (f", only {files[0]}: save it as safetensors (transformers' from_pretrained, "
+               "then save_pretrained)" if files else ""))
+
+
 class CheckpointWeights(Tensors):
     """The tensors of a transformers checkpoint directory (safetensors), read on demand:
     whole in fp32 (``weights(name)``), or a part in the dtype stored (``part``: safetensors'
@@ -271,11 +281,8 @@ class CheckpointWeights(Tensors):
     def __init__(self, path: str, key: str = "model.language.pretrained"):
         path = model_directory(path)
         files = loaded_weight_files(path)
-        if not files or not files[0].endswith(".safetensors"):
-            raise TrainConfigError(
-                f"{key} {path} holds no model.safetensors (nor an index of safetensors shards)"
-                + (f", only {files[0]}: save it as safetensors (transformers' from_pretrained, "
-                   "then save_pretrained)" if files else ""))
+        if why := unreadable_weights(key, path, files):
+            raise TrainConfigError(why)
         super().__init__(self.__call__)
         self.key, self.path = key, path
         self.files = {}

@@ -10,6 +10,7 @@ frozen value: nothing writes into the config or the plan after this.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.config import OptimizerConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import VLM
+from mimo_train.families.base import VLM, loaded_weight_files, unreadable_weights
 from mimo_train.families.preprocessing_fit import foreign_tokenizer
 from mimo_train.families.registry import read_vlm
 from mimo_train.plan.encoders import EncoderSetting, check_vlm_projections, encoder_settings
@@ -250,8 +251,20 @@ def check_training(plan: RunPlan) -> None:
     trains (they would be ignored), a run in which nothing trains, and a LoRA target of the
     language model that names none of its linear layers (an encoder's: ``planning.adapters.
     check_encoder_targets``, from its tower's layers). The trainer's start-up
-    runs it, not ``resolve``: a checkpoint's saved config still exports and plans."""
+    runs it, not ``resolve``: a checkpoint's saved config still exports and plans. Also a
+    pretrained folder whose weights are pickled only (pytorch_model.bin), before anything is
+    built; a folder without weights (a config alone) plans."""
     cfg = plan.config
+    named = {"model.pretrained": cfg.model.pretrained,
+             "model.language.pretrained": cfg.model.language.pretrained,
+             **{f"model.encoders.{name}.pretrained": encoder.pretrained
+                for name, encoder in cfg.model.encoders.items()}}
+    for key, path in named.items():     # pickled weights only: said before anything is built
+        if path is None or not os.path.isdir(path):     # (a hub name: read where it is built)
+            continue
+        files = loaded_weight_files(path)
+        if files and (why := unreadable_weights(key, path, files)):
+            raise TrainConfigError(why)
     for part in plan.frozen:
         if part.part == "projection" and plan.encoders[part.module].projection == "none":
             whose = f"{plan.vlm.family}'s merger is part of its tower" if plan.vlm and \
