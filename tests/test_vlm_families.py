@@ -611,10 +611,11 @@ def test_a_checkpoint_without_its_image_processor_says_what_to_do(tmp_path):
         "show one for each family)")
 
 
-def test_a_checkpoint_of_pickled_weights_is_refused_before_anything_is_built(tmp_path):
+def test_a_checkpoint_of_pickled_weights_is_refused_before_anything_is_built(tmp_path,
+                                                                              monkeypatch):
     """``model.pretrained`` at a folder whose weights are pytorch_model.bin only: refused by
     the checks the trainer's start-up and ``plan --model`` run first (``check_training``),
-    not once the model is being built."""
+    not once the model is being built; by a hub name in the local cache too."""
     import torch
 
     from mimo_train.config import TrainConfig
@@ -630,5 +631,20 @@ def test_a_checkpoint_of_pickled_weights_is_refused_before_anything_is_built(tmp
     cfg = TrainConfig.load(str(REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"),
                            [f"model.pretrained={pickled}", f"data.datasets=[{tmp_path / 'data'}]"])
     with pytest.raises(TrainConfigError, match=rf"^model.pretrained {pickled} holds no "
+                       r"model.safetensors .*, only pytorch_model.bin: save it as safetensors"):
+        check_training(resolve(cfg))
+    # the same folder by hub name, in the local hub cache as huggingface_hub lays it out
+    from huggingface_hub import constants
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--pickled"
+    (repo / "snapshots").mkdir(parents=True)
+    pickled.rename(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path / "data")
+    cfg = TrainConfig.load(str(REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"),
+                           ["model.pretrained=org/pickled", f"data.datasets=[{tmp_path / 'data'}]"])
+    with pytest.raises(TrainConfigError, match=r"^model.pretrained org/pickled holds no "
                        r"model.safetensors .*, only pytorch_model.bin: save it as safetensors"):
         check_training(resolve(cfg))

@@ -10,7 +10,6 @@ frozen value: nothing writes into the config or the plan after this.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -18,7 +17,8 @@ from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.config import OptimizerConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import VLM, loaded_weight_files, unreadable_weights
+from mimo_train.families.base import (VLM, loaded_weight_files, model_directory,
+                                      unreadable_weights)
 from mimo_train.families.preprocessing_fit import foreign_tokenizer
 from mimo_train.families.registry import read_vlm
 from mimo_train.plan.encoders import EncoderSetting, check_vlm_projections, encoder_settings
@@ -252,17 +252,18 @@ def check_training(plan: RunPlan) -> None:
     language model that names none of its linear layers (an encoder's: ``planning.adapters.
     check_encoder_targets``, from its tower's layers). The trainer's start-up
     runs it, not ``resolve``: a checkpoint's saved config still exports and plans. Also a
-    pretrained folder whose weights are pickled only (pytorch_model.bin), before anything is
-    built; a folder without weights (a config alone) plans."""
+    pretrained folder (or hub name in the local cache) whose weights are pickled only
+    (pytorch_model.bin), before anything is built; a folder without weights (a config alone)
+    plans."""
     cfg = plan.config
     named = {"model.pretrained": cfg.model.pretrained,
              "model.language.pretrained": cfg.model.language.pretrained,
              **{f"model.encoders.{name}.pretrained": encoder.pretrained
                 for name, encoder in cfg.model.encoders.items()}}
     for key, path in named.items():     # pickled weights only: said before anything is built
-        if path is None or not os.path.isdir(path):     # (a hub name: read where it is built)
+        if path is None or (folder := _cached_folder(path)) is None:
             continue
-        files = loaded_weight_files(path)
+        files = loaded_weight_files(folder)
         if files and (why := unreadable_weights(key, path, files)):
             raise TrainConfigError(why)
     for part in plan.frozen:
@@ -284,6 +285,16 @@ def check_training(plan: RunPlan) -> None:
             f"model.freeze freezes every module ({', '.join(idle)}): nothing would train; "
             "unfreeze a module or adapt one with model.lora")
     check_plan_targets(plan.adapted, plan.language)
+
+
+def _cached_folder(path: str) -> str | None:
+    """The folder of the model ``path`` names: a local folder, or a hub name's snapshot in the
+    local hub cache; None where neither is there (a name the cache lacks is said where the
+    model is built)."""
+    try:
+        return model_directory(path)
+    except (OSError, ValueError):     # huggingface_hub's not-cached and invalid-name errors
+        return None
 
 
 def _read_preprocess(cfg: TrainConfig) -> PreprocessConfig:
