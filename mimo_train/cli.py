@@ -103,6 +103,7 @@ def _main(args, parser: argparse.ArgumentParser) -> int:
         with before_training(cfg.train.exit_signals):
             trainer = train(plan, args.records)
         if trainer.failure:             # too many skipped steps (components/anomalies.py)
+            console.torchrun_error_file(trainer.failure)    # every rank: the same failure
             return 1
         if trainer.stopped_by:          # preempted: checkpoint saved (runtime/preemption.py)
             return 128 + trainer.stopped_by

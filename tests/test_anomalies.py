@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import shutil
 
 import pytest
@@ -128,15 +130,26 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(ranks, planted,  # noqa
     stays where step 1 left it (a skipped step does not step the schedule), though the
     trainer learns of a skip only in the next step (each step's outcome is read while the next
     one's passes are queued; here a logging step every 3). On two tensor-parallel ranks, which
-    read the same samples: each record lists the step's two once (one rank reports them)."""
+    read the same samples: each record lists the step's two once (one rank reports them). The
+    stop names the checkpoints that hold the weights the skips began from, and is torchrun's
+    root cause (its error file)."""
     shards, preprocess, _ = planted
+    error_file = tmp_path / "error.json"        # torchrun's, for the root cause it reports
     code, output, records = train_planted(
         ranks, tmp_path, "nan", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
         "layout=language=tp2", "model.encoders={}", "optimizer.lr=1e30", "optimizer.min_lr=0",
         "optimizer.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=2",
-        "train.steps=8", "train.max_skipped_steps=2", "train.log_interval=3", nproc=2)
+        "train.steps=8", "train.max_skipped_steps=2", "train.log_interval=3", nproc=2,
+        env={"TORCHELASTIC_ERROR_FILE": error_file})
     assert code != 0, output[-3000:]
-    assert output.count("steps were skipped for a non-finite gradient norm") == 1, output
+    stops = re.findall(r"^mimo-train: 3 steps were skipped for a non-finite gradient norm.*$",
+                       output, re.MULTILINE)
+    assert len(stops) == 1, output
+    # the checkpoints that hold the weights the skips began from, named by step
+    assert "the first skipped): a checkpoint saved at step 1 or later holds the weights the " \
+        "skips began from" in stops[0], stops[0]
+    # torchrun's report names it as the root cause (each rank's error file), not "<N/A>"
+    assert json.loads(error_file.read_text())["message"]["message"] == stops[0]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert [r["skipped"] for r in train] == [False, True, True, True]

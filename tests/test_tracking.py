@@ -316,7 +316,7 @@ def test_wandb_without_the_package_is_refused(monkeypatch):
 
 def test_the_closing_loss_line_says_what_it_averages():
     """The run's loss, its first steps against its last: three each where there are six or
-    more, one each for a short run, and a one-step run's loss alone."""
+    more, one each for a short run, and a one-step run's loss alone; skipped steps left out."""
     from mimo_train.components.metrics import summary
     records = [{"loss": float(loss)} for loss in (9, 8, 7, 5, 4, 3)]
     assert summary(records) == ("mimo-train: loss over this run's 6 steps: 8.0000 (mean of the "
@@ -325,6 +325,14 @@ def test_the_closing_loss_line_says_what_it_averages():
                                     "first step) -> 7.0000 (the last step)")
     assert summary(records[:1]) == "mimo-train: loss of this run's one step: 9.0000"
     assert summary([{"step": 1}]) is None
+    # steps skipped for a non-finite gradient norm (or loss) are in no mean
+    nan = float("nan")
+    skipped = [{"loss": 9.0, "skipped": False}, {"loss": nan, "skipped": True},
+               {"loss": 7.0, "skipped": False}, {"loss": 1.0, "skipped": True}]
+    assert summary(skipped) == ("mimo-train: loss over this run's 2 steps: 9.0000 (the first "
+                                "step) -> 7.0000 (the last step) (2 skipped steps left out)")
+    assert summary(skipped[1:2]) == ("mimo-train: no loss to sum up: each of this run's 1 "
+                                     "steps was skipped (a non-finite gradient norm or loss)")
 
 
 def test_wandb_gets_the_steps_in_order_with_a_spike_read_among_them(monkeypatch):

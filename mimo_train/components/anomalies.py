@@ -63,13 +63,22 @@ class Watch:
     def over_limit(self) -> str | None:
         """Why the run must stop (more skipped steps than allowed), or None."""
         if len(self.skipped) > self.max_skipped:
+            first = min(self.skipped)
+            weights = (
+                f"Weights gone wrong (a learning rate too high; the loss rising before step "
+                f"{first}, the first skipped): a checkpoint saved at step {first - 1} or later "
+                "holds the weights the skips began from (a skipped step updates none), so "
+                f"lower optimizer.lr and resume from one saved before step {first - 1} "
+                "(mimo-inspect checkpoint DIR --all lists them) or start the run again"
+                if first > 1 else "The first step was skipped: look at the pretrained weights "
+                "too")
             return (
                 f"{len(self.skipped)} steps were skipped for a non-finite gradient norm (or "
-                f"loss), more than train.max_skipped_steps ({self.max_skipped}): the run stops. "
-                "Their samples are in the records' anomaly entries (mimo-inspect sample DIR "
-                "--key KEY shows one); look for broken samples, lower optimizer.lr or raise the "
-                "limit, then resume from the last checkpoint (this stop saves none; with none "
-                "saved before, start the run again)")
+                f"loss), more than train.max_skipped_steps ({self.max_skipped}): the run stops "
+                "(this stop saves no checkpoint). Their samples are in the records' anomaly "
+                "entries (mimo-inspect sample DIR --key KEY shows one). Broken samples: mend "
+                f"or drop them and resume from the last checkpoint. {weights}. Or raise the "
+                "limit")
         return None
 
 

@@ -320,17 +320,24 @@ def _rate(record: dict) -> str:
 
 
 def summary(records: list[dict]) -> str | None:
-    """The run's loss, first steps against last steps; None without train records."""
-    losses = [r["loss"] for r in records if "loss" in r]
-    if not losses:
+    """The run's loss, first steps against last steps, the steps skipped for a non-finite
+    gradient norm (or loss) left out; None without train records."""
+    steps = [r for r in records if "loss" in r]
+    if not steps:
         return None
+    losses = [r["loss"] for r in steps if not r.get("skipped") and math.isfinite(r["loss"])]
+    left_out = len(steps) - len(losses)
+    if not losses:
+        return (f"{PREFIX}no loss to sum up: each of this run's {len(steps)} steps was skipped "
+                "(a non-finite gradient norm or loss)")
+    skipped = f" ({left_out} skipped steps left out)" if left_out else ""
     if len(losses) == 1:
-        return f"{PREFIX}loss of this run's one step: {losses[0]:.4f}"
+        return f"{PREFIX}loss of this run's one step: {losses[0]:.4f}{skipped}"
     k = max(1, min(3, len(losses) // 2))
     first, last = (("the first step", "the last step") if k == 1 else
                    (f"mean of the first {k}", f"mean of the last {k}"))
     return (f"{PREFIX}loss over this run's {len(losses)} steps: {sum(losses[:k]) / k:.4f} "
-            f"({first}) -> {sum(losses[-k:]) / k:.4f} ({last})")
+            f"({first}) -> {sum(losses[-k:]) / k:.4f} ({last}){skipped}")
 
 
 WANDB_ID = "wandb_run_id"      # in checkpoint.dir: the W&B run a resumed run logs into

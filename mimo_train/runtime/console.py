@@ -239,7 +239,7 @@ def report_failure(error: StartupError) -> int:
     from mimo_train.runtime import distributed
     if rank() == 0:
         print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
-    _torchrun_error_file(str(error))            # whichever rank torchrun names its root cause
+    torchrun_error_file(str(error))            # whichever rank torchrun names its root cause
     if dist.is_initialized():
         distributed.barrier()
     return error.exit_code
@@ -375,13 +375,13 @@ def report_run_failure(error: RunError) -> int:
             print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
             if error.details:
                 print(error.details, file=sys.stderr, end="", flush=True)
-            _torchrun_error_file(str(error))
+            torchrun_error_file(str(error))
     finally:
         signal.signal(signal.SIGTERM, previous)
     return error.exit_code
 
 
-def _torchrun_error_file(message: str) -> None:
+def torchrun_error_file(message: str) -> None:
     """The failure as torchrun's root cause: its error file in torchelastic's JSON format
     (torchrun names the file in ``TORCHELASTIC_ERROR_FILE`` and prints the message in its
     report instead of "<N/A>")."""

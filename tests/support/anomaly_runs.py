@@ -29,12 +29,12 @@ ANSWERS = ["Paris is the capital of France.", "Water boils at one hundred degree
            "Trees grow from seeds.", "Rain falls from the clouds."]
 
 
-def train_planted(ranks: Ranks, tmp: Path, name: str, *overrides: str,
-                  nproc: int = 1) -> tuple[int, str, list]:
+def train_planted(ranks: Ranks, tmp: Path, name: str, *overrides: str, nproc: int = 1,
+                  env: dict | None = None) -> tuple[int, str, list]:
     """(exit status, every rank's stdout and stderr, the records) of one run; exit status: the
     first rank's that failed, else 0."""
     job = train_job(ranks, tmp, name, "images_language_colocated.yaml", "train.device=cpu",
-                    "checkpoint.dir=null", *overrides, nproc=nproc)
+                    "checkpoint.dir=null", *overrides, nproc=nproc, env=env)
     logs = tmp / f"{name}-logs"
     output = "".join((logs / f"rank_{r}.out").read_text(errors="replace") + job.ranks[r]
                      for r in range(nproc))
