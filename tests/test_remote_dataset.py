@@ -732,13 +732,16 @@ def test_shards_cut_short_or_missing_are_named_at_opening_and_not_retried(
     fs.pipe_file(f"{BUCKET}/nested/a.tar", b"a" * 10)
     fs.pipe_file(f"{BUCKET}/nested/part/b.tar", b"b" * 20)
     remote = storage.Remote(f"s3://{BUCKET}/nested", s3.storage_options)
-    expected = {"a.tar": 10, "part/b.tar": 20}
-    assert remote.sizes(f"s3://{BUCKET}/nested", ["a.tar", "part/b.tar", "c.tar"]) == expected
-    # credentials that read objects but may not list them: each shard looked up instead
+    names = ["a.tar", "part/b.tar", "c.tar"]
+    listed = storage.look_up(f"s3://{BUCKET}/nested", names, remote)
+    assert {name: size for name, (size, _) in listed.items()} == {"a.tar": 10, "part/b.tar": 20}
+    # credentials that read objects but may not list them: each shard looked up instead, its
+    # version (the ETag) the listing's
     s3.faults = Faults(rate=1.0, kinds=("403",), listings_only=True)
     s3.reset_counters()
     remote = storage.Remote(f"s3://{BUCKET}/nested", s3.storage_options)      # no listing kept
-    assert remote.sizes(f"s3://{BUCKET}/nested", ["a.tar", "part/b.tar", "c.tar"]) == expected
+    assert storage.look_up(f"s3://{BUCKET}/nested", names, remote) == listed
+    assert all(version.startswith("etag ") for _, version in listed.values()), listed
     assert s3.injected["403"] == 2 and s3.requests["HEAD"] >= 3, dict(s3.requests)
 
 

@@ -517,6 +517,18 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
         assert reader.media(position, record) == {
             item["member"]: pairs.members[key][item["member"]] for item in record["media"]}
     reader.close()
+    # a tar written again in the bucket since its indexing, its size the same (a caption
+    # edited: training reads the text from the index, the old one): found at start-up by
+    # its ETag; the same bytes written again keep it (S3's ETag is their MD5): nothing said
+    from mimo_data.shards.index import DatasetError
+    tar = (pairs.src / "pairs-000000.tar").read_bytes()
+    fs.pipe_file(f"{BUCKET}/laion/pairs-000000.tar", tar[:-1] + bytes([tar[-1] ^ 1]))
+    with pytest.raises(DatasetError, match=r"pairs-000000.tar written again since it was "
+                       r"indexed \(etag \w+ then, etag \w+ now\): run `mimo-shard verify"):
+        ShardReader(str(tmp_path / "idx"),
+                    storage_options=local_s3.storage_options).check_shards()
+    fs.pipe_file(f"{BUCKET}/laion/pairs-000000.tar", tar)
+    ShardReader(str(tmp_path / "idx"), storage_options=local_s3.storage_options).check_shards()
 
 
 @pytest.mark.filterwarnings(FORK_WARNING)       # energon prepare's worker pool
@@ -1839,6 +1851,42 @@ def test_training_on_the_index_equals_training_on_the_build(ranks, conversations
     resumed = train(ranks, root, "resumed", CONFIG, f"data.datasets=[{root / 'indexed'}]",
                     *common, f"checkpoint.dir={resume}", nproc=2)
     assert_continues(resumed, runs["indexed"], [3], loss=1e-6, grad_norm_rel=1e-6)
+
+
+def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path):
+    """A tar written again in place after its indexing, at the same size (its text member
+    edited: training reads the text from the index, so it would train the old one without a
+    word): the start-up check names it and says to index again; indexing again into that
+    folder says to pass --overwrite, not to train from it as it is. An index made before
+    indexes recorded the tars' versions is read as before."""
+    from mimo_data.shards.index import DatasetError
+    from mimo_data.shards.reader import ShardReader
+    (tmp_path / "tars").mkdir()
+    tar = tmp_path / "tars" / "pairs-000001.tar"
+    shutil.copy(pairs.src / "pairs-000001.tar", tar)
+    made = ("index", tar, "--output", tmp_path / "idx", "--workers", "0", "--no-progress")
+    code, _, err = cli_main(capsys, *made)
+    assert code == 0, err
+    reader = ShardReader(str(tmp_path / "idx"))
+    reader.check_shards()                                    # as indexed: nothing to say
+    offset, size, _ = reader.table.members(0)["txt"]
+    flip_byte(tar, offset)
+    os.utime(tar, ns=(tar.stat().st_atime_ns, tar.stat().st_mtime_ns + 10**9))
+    with pytest.raises(DatasetError, match=r"pairs-000001.tar written again since it was "
+                       r"indexed \(mtime_ns \d+ then, mtime_ns \d+ now\): run `mimo-shard "
+                       r"verify .*index the tars again where they are now"):
+        ShardReader(str(tmp_path / "idx")).check_shards()
+    code, _, err = cli_main(capsys, *made)
+    assert code == 2 and "already holds an index of these tars, but 1 of them were written " \
+        "again since (pairs-000001.tar): training from it would read their text as it was " \
+        "then; pass --overwrite to index them again" in err, err
+    index = json.loads((tmp_path / "idx" / "index.json").read_text())
+    for shard in index["shards"]:
+        del shard["version"]
+    (tmp_path / "idx" / "index.json").write_text(json.dumps(index))
+    ShardReader(str(tmp_path / "idx")).check_shards()
+    code, _, err = cli_main(capsys, *made)
+    assert code == 2 and "an index of these tars, read the same way" in err, err
 
 
 def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):

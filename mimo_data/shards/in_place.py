@@ -50,7 +50,7 @@ from mimo_data.shards.records import RecordError
 from mimo_data.shards.stops import StrictStop
 from mimo_data.shards.tar_sources import (DETECT_SAMPLES, IndexInputError, IndexOptions,
                                           Source, open_tar, output_given_as_source, resolve,
-                                          say)
+                                          say, tar_version)
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 from mimo_data.tally import FIRST_LOCATIONS, Tally
 
@@ -70,6 +70,7 @@ class ShardResult:
     walked: Walked = field(default_factory=Walked)
     samples: int = 0                  # samples the tar holds (kept or not)
     seconds: float = 0.0
+    version: str | None = None        # the tar's as it was opened (``storage.version``)
     # what the rows hold that the report counts (``Synthesized.counts``), by the report's name
     counts: Counter[str] = field(default_factory=Counter)
 
@@ -139,6 +140,7 @@ def index_shard(job: _Job) -> ShardResult:
         head: list[dict[str, bytes]] = []          # the first samples, for the layout's check
         try:
             with open_tar(location, job.storage_options) as tar:
+                result.version = tar_version(tar)
                 for sample in walk(tar, result.walked):
                     result.samples += 1
                     if job.first and len(head) < DETECT_SAMPLES:
@@ -242,14 +244,14 @@ def _named(output: str, given: bool) -> str:
     return f"--output {output}" if given else f"the index folder {output} (no --output given)"
 
 
-def _prepare_output(output: str, named: str, options: IndexOptions, source: Source
-                    ) -> list[str]:
+def _prepare_output(output: str, named: str, options: IndexOptions, source: Source,
+                    storage_options: dict | None) -> list[str]:
     """Make the claimed folder ``output`` ready for an indexing of ``source``; return the
     names of an old index that stays there until the new one is complete ([]: none)."""
     names = set(os.listdir(output))
     if INDEX_FILE in names and not options.overwrite:
         raise IndexInputError(f"{named} already holds an index"
-                              f"{_changed(output, source, options)}")
+                              f"{_changed(output, source, options, storage_options)}")
     indexed = bool({INDEX_FILE, STAGING_DIR, SAMPLES_FILE, REPORT_FILE} & names)  # a user's
     foreign = sorted(n for n in names if n not in _OWN          # list, beside none, stays
                      and not n.startswith(INDEX_FILE + ".tmp")
@@ -461,13 +463,15 @@ def _settings(source: Source, options: IndexOptions) -> dict[str, Any]:
                if k not in ("progress", "workers", "overwrite", "name")}}
 
 
-def _changed(output: str, source: Source, options: IndexOptions) -> str:
+def _changed(output: str, source: Source, options: IndexOptions,
+             storage_options: dict | None) -> str:
     """What an index already in ``output`` is, said against the tars of ``source`` read with
     ``options``, and what to do."""
     try:
         with open(os.path.join(output, INDEX_FILE)) as f:
             old = json.load(f)
         held = {shard["name"] for shard in old["shards"]}
+        versions = {shard["name"]: shard.get("version") for shard in old["shards"]}
         root = old["shard_root"]
         built = old["build"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -493,6 +497,16 @@ def _changed(output: str, source: Source, options: IndexOptions) -> str:
     if not added and not gone and differ:
         return (f" of these tars read another way ({'; '.join(differ)}); {again}")
     if not added and not gone:
+        remote = storage.Remote(source.root, storage_options) \
+            if storage.is_remote(source.root) else None
+        now_found = storage.look_up(source.root, source.shards, remote)
+        rewritten = [name for name in source.shards if None not in (
+            versions[name], now_found.get(name, (None, None))[1]) and
+            versions[name] != now_found[name][1]]
+        if rewritten:
+            return (f" of these tars, but {len(rewritten)} of them were written again since "
+                    f"({', '.join(rewritten[:3])}{' ...' * (len(rewritten) > 3)}): training "
+                    f"from it would read their text as it was then; {again}")
         return f" of these tars, read the same way; train from it as it is, {again}"
     changes = [f"{how} {len(names)} tar(s) {which} ({', '.join(names[:3])}"
                f"{' ...' * (len(names) > 3)})"
@@ -503,7 +517,7 @@ def _changed(output: str, source: Source, options: IndexOptions) -> str:
 
 def _index_claimed(source: Source, output: str, named: str, options: IndexOptions,
                    storage_options: dict | None) -> dict:
-    old = _prepare_output(output, named, options, source)
+    old = _prepare_output(output, named, options, source, storage_options)
 
     def written(staging: str) -> tuple[dict, tuple]:
         built, summary, rate = _index_into(staging, source, options, storage_options)
@@ -550,7 +564,8 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
             for reason, where, detail in result.members_aside:
                 report.set_aside(reason, where, detail)
             shards.append({"name": result.name, "samples": len(result.rows),
-                           "bytes": result.walked.bytes, "sha256": result.walked.sha256})
+                           "bytes": result.walked.bytes, "sha256": result.walked.sha256,
+                           **({"version": result.version} if result.version else {})})
             busy += result.seconds
             read += result.walked.bytes
         progress.close()

@@ -79,29 +79,30 @@ class ShardReader:
         return len(self.table)
 
     def check_shards(self) -> None:
-        """DatasetError naming every shard that is missing or not of the size the index says
-        (cut short, replaced), so that a run stops at start-up, not when it first reads one:
-        one listing of a remote shard root, a ``stat`` per local shard; ``RangesIgnored``
-        where an HTTP server serves them whole (``Remote.check_ranges``)."""
+        """DatasetError naming every shard that is missing, not of the size the index says
+        (cut short, replaced) or, where the index holds its version (tars indexed in place:
+        their text is read from the index), written again since, so that a run stops at
+        start-up, not when it first reads one (or never, reading the index's text of a tar
+        that changed): one listing of a remote shard root, a ``stat`` per local shard;
+        ``RangesIgnored`` where an HTTP server serves them whole (``Remote.check_ranges``)."""
         names = [shard["name"] for shard in self.index["shards"]]
-        found: dict[str, int | None] = {}
-        if self.shard_remote is not None:
-            found = self.shard_remote.sizes(self.shard_root, names)
-            if names[0] in found:       # every read is a range of a shard: one tried
-                self.shard_remote.check_ranges(storage.join(self.shard_root, names[0]),
-                                               found[names[0]])
-        else:
-            root = storage.local_path(self.shard_root)
-            for name in names:
-                try:
-                    found[name] = os.stat(os.path.join(root, name)).st_size
-                except FileNotFoundError:
-                    pass
-        problems = [f"{shard['name']} missing" if shard["name"] not in found else
-                    f"{shard['name']} holds {found[shard['name']]} bytes, the index says "
-                    f"{shard['bytes']}" for shard in self.index["shards"]
-                    if shard["name"] not in found or found[shard["name"]] not in (
-                        None, shard["bytes"])]
+        found = storage.look_up(self.shard_root, names, self.shard_remote)
+        if self.shard_remote is not None and names[0] in found:
+            # every read is a range of a shard: one tried
+            self.shard_remote.check_ranges(storage.join(self.shard_root, names[0]),
+                                           found[names[0]][0])
+        problems = []
+        for shard in self.index["shards"]:
+            size, version = found.get(shard["name"], (None, None))
+            then = shard.get("version")
+            if shard["name"] not in found:
+                problems.append(f"{shard['name']} missing")
+            elif size not in (None, shard["bytes"]):
+                problems.append(f"{shard['name']} holds {size} bytes, the index says "
+                                f"{shard['bytes']}")
+            elif None not in (then, version) and then != version:
+                problems.append(f"{shard['name']} written again since it was indexed "
+                                f"({then} then, {version} now)")
         if problems:
             more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
             raise DatasetError(f"{self.shard_root}: shard {'; '.join(problems[:3])}{more}: run "

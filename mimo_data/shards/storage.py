@@ -348,20 +348,21 @@ class Remote:
                 raise
             raise _ranges_ignored(f"reading {url} bytes 1-2: the whole object came") from None
 
-    def sizes(self, url: str, names: list[str]) -> dict[str, int | None]:
-        """``{name: bytes}`` of those of ``names`` (paths relative to ``url``, in folders below
-        it too) that are there (None: size unknown): one listing of each folder holding some,
-        or, where listing is not to be had (HTTP lists nothing reliably; credentials may read
-        objects but not list them), one HEAD each, ``THREADS`` at a time."""
+    def entries(self, url: str, names: list[str]) -> dict[str, dict]:
+        """fsspec's entry (``size``, the store's ETag or time of writing, ...) of each of
+        ``names`` (paths relative to ``url``, in folders below it too) that is there: one
+        listing of each folder holding some, or, where listing is not to be had (HTTP lists
+        nothing reliably; credentials may read objects but not list them), one HEAD each,
+        ``THREADS`` at a time."""
         if self.protocol not in ("http", "https"):
-            found: dict[str, int | None] = {}
+            found: dict[str, dict] = {}
             for folder in sorted({posixpath.dirname(name) for name in names}):
                 where = join(url, folder) if folder else url
                 listed = retried(f"listing {where}", functools.partial(self._listed, where))
                 if listed is None:              # listing denied: look each one up instead
                     break
-                found.update({posixpath.join(folder, base): size
-                              for base, size in listed.items()})
+                found.update({posixpath.join(folder, base): entry
+                              for base, entry in listed.items()})
             else:
                 return {name: found[name] for name in names if name in found}
 
@@ -373,14 +374,13 @@ class Remote:
                     return None             # may not list: absent or unreadable, either way
             return name, retried(f"looking up {join(url, name)}", call)
         with ThreadPoolExecutor(THREADS) as pool:
-            return {name: info.get("size") for name, info in pool.map(head, names)
-                    if info is not None}
+            return {name: info for name, info in pool.map(head, names) if info is not None}
 
-    def _listed(self, url: str) -> dict[str, int | None] | None:
-        """``{name: bytes}`` of the files directly under ``url``; None where the credentials
+    def _listed(self, url: str) -> dict[str, dict] | None:
+        """``{name: entry}`` of the files directly under ``url``; None where the credentials
         may not list it."""
         try:
-            return {posixpath.basename(entry["name"].rstrip("/")): entry.get("size")
+            return {posixpath.basename(entry["name"].rstrip("/")): entry
                     for entry in self.fs.ls(url, detail=True) if entry["type"] == "file"}
         except FileNotFoundError:
             return {}
@@ -511,6 +511,47 @@ class Remote:
 
 
 _SECRET_WORDS = ("secret", "key", "token", "password", "credential", "sas", "signature")
+
+
+def version(entry: dict) -> str | None:
+    """What fsspec's ``entry`` of an object (a listing's or a lookup's) says changes when the
+    object is written again: its ETag where the store gives one, else its time of writing;
+    None where it says neither."""
+    etag = entry.get("ETag") or entry.get("etag")
+    if etag:
+        return f"etag {str(etag).strip(chr(34))}"
+    for key in ("LastModified", "mtime", "updated", "last_modified"):
+        when = entry.get(key)
+        if isinstance(when, datetime.datetime):
+            return f"written {when.timestamp()}"
+        if when is not None:
+            return f"written {when}"
+    return None
+
+
+def local_version(stat: os.stat_result) -> str:
+    """What changes when a local file (``stat``: its ``os.stat``) is written again: its time
+    of writing, in nanoseconds (``version`` of a local file)."""
+    return f"mtime_ns {stat.st_mtime_ns}"
+
+
+def look_up(root: str, names: list[str], remote: Remote | None
+            ) -> dict[str, tuple[int | None, str | None]]:
+    """``{name: (bytes, version)}`` of those of ``names`` (paths relative to ``root``, a local
+    folder, or a location of ``remote``) that are there (None: the store does not say): a
+    ``stat`` each of local files, the listing of a remote folder (``Remote.entries``)."""
+    if remote is not None:
+        return {name: (entry.get("size"), version(entry))
+                for name, entry in remote.entries(root, names).items()}
+    found: dict[str, tuple[int | None, str | None]] = {}
+    folder = local_path(root)
+    for name in names:
+        try:
+            stat = os.stat(os.path.join(folder, name))
+        except FileNotFoundError:
+            continue
+        found[name] = (stat.st_size, local_version(stat))
+    return found
 
 
 def redacted(options: Any) -> Any:

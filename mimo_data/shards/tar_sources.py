@@ -10,6 +10,7 @@ import os
 import posixpath
 import sys
 from collections.abc import Iterable
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 import braceexpand
@@ -521,6 +522,14 @@ def _check_pair_members(tar: str, head: list[dict[str, bytes]],
 
 def say(line: str) -> None:
     print(f"mimo-shard index: {line}", file=sys.stderr, flush=True)
+
+
+def tar_version(tar: Any) -> str | None:
+    """The version (``storage.version``) of the tar ``open_tar`` opened, as it was opened."""
+    details = getattr(tar, "details", None)     # fsspec's file: its lookup's entry
+    if details is not None:
+        return storage.version(details)
+    return storage.local_version(os.fstat(tar.fileno()))
 
 
 def open_tar(location: str, storage_options: dict | None):
