@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -404,7 +405,8 @@ def test_language_ranks_build_the_same_without_decoding(config, records, samples
 
 def test_a_checkpoint_trains_through_its_own_template_unless_it_is_the_published_one(tmp_path):
     """``--preprocessing-for`` names mimo's copy of the published template (with generation
-    blocks) where the checkpoint holds the published one, re-saved by transformers too; a
+    blocks) where the checkpoint holds the published one, re-saved by transformers too or kept
+    in chat_template.json; a
     checkpoint with another template (an export of a run that trained its own, a user's) is
     trained through that one, as its export and transformers prompt with it."""
     from transformers import AutoProcessor
@@ -419,7 +421,8 @@ def test_a_checkpoint_trains_through_its_own_template_unless_it_is_the_published
         made.mkdir(exist_ok=True)
         for each in published.iterdir():
             if not (made / each.name).exists() and not (
-                    name == "resaved" and each.name.startswith(("tokenizer", "chat_template"))):
+                    name == "resaved" and each.name.startswith(("tokenizer", "chat_template"))
+                    or name == "in-json" and each.name == "chat_template.jinja"):
                 (made / each.name).symlink_to(each)
         return made
     template = COPIES[QWEN3_5_PUBLISHED_SHA256]
@@ -427,6 +430,13 @@ def test_a_checkpoint_trains_through_its_own_template_unless_it_is_the_published
     resaved = folder("resaved")
     AutoProcessor.from_pretrained(published).save_pretrained(resaved)
     assert preprocessing_for(str(resaved))["chat_template"] == str(template)
+    # the template kept only in chat_template.json (transformers 4's processor save), which
+    # the tokenizer does not read: named all the same
+    in_json = tmp_path / "in-json"
+    in_json.mkdir()
+    (in_json / "chat_template.json").write_text(json.dumps(
+        {"chat_template": (published / "chat_template.jinja").read_text()}))
+    assert preprocessing_for(str(folder("in-json")))["chat_template"] == str(template)
     own = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n" \
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     custom = tmp_path / "custom"

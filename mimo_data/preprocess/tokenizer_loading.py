@@ -204,14 +204,14 @@ def chat_template(config: PreprocessConfig, tokenizer) -> str:
     try:
         return tokenizer.get_chat_template(override)
     except ValueError as exc:
-        kept = _processor_chat_template(config.tokenizer)
+        kept = processor_chat_template(config.tokenizer)
         if kept is not None:
             return kept
         raise ValueError(f"tokenizer {config.tokenizer!r} has no chat template and none is "
                          f"configured (chat_template:), or use mode: caption ({exc})") from None
 
 
-def _processor_chat_template(name: str) -> str | None:
+def processor_chat_template(name: str) -> str | None:
     """The chat template a processor keeps beside the tokenizer (``chat_template.jinja``, or
     ``chat_template.json``'s ``chat_template``), where the tokenizer has none: llava-hf
     repositories keep theirs there only. A local directory, or a hub name's cached files."""

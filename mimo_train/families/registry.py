@@ -124,6 +124,8 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
     import copy
 
     from transformers import AutoTokenizer
+
+    from mimo_data.preprocess.tokenizer_loading import processor_chat_template
     vlm = read_vlm(path, key)
     directory = model_directory(path)
     image_processor = processor_settings(directory, "image")
@@ -159,7 +161,7 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
             {"token": text(vlm.video_token_id, "video token"), **wrap,
              **family.video_settings(config, video_processor[1])})
     # a published template mimo copies with generation blocks: named as the one trained through
-    template = templates.copy_of(tokenizer.chat_template)
+    template = templates.copy_of(tokenizer.chat_template or processor_chat_template(path))
     return {"tokenizer": os.path.abspath(path) if os.path.isdir(path) else path,
             **({"chat_template": str(template)} if template else {}),
             "mode": "chat", "positions": vlm.positions, "modalities": modalities}
