@@ -518,16 +518,20 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
             item["member"]: pairs.members[key][item["member"]] for item in record["media"]}
     reader.close()
     # a tar written again in the bucket since its indexing, its size the same (a caption
-    # edited: training reads the text from the index, the old one): found at start-up by
-    # its ETag; the same bytes written again keep it (S3's ETag is their MD5): nothing said
+    # edited: training reads the text from the index, the old one): its ETag differs, so its
+    # samples' text is read at start-up; the same bytes written again keep it (S3's ETag is
+    # their MD5): nothing read
     from mimo_data.shards.index import DatasetError
-    tar = (pairs.src / "pairs-000000.tar").read_bytes()
-    fs.pipe_file(f"{BUCKET}/laion/pairs-000000.tar", tar[:-1] + bytes([tar[-1] ^ 1]))
-    with pytest.raises(DatasetError, match=r"pairs-000000.tar written again since it was "
-                       r"indexed \(etag \w+ then, etag \w+ now\): run `mimo-shard verify"):
+    tar = bytearray((pairs.src / "pairs-000000.tar").read_bytes())
+    key, (offset, _, _) = reader.table.key(0), reader.table.members(0)["txt"]
+    tar[offset] ^= 0xFF
+    fs.pipe_file(f"{BUCKET}/laion/pairs-000000.tar", bytes(tar))
+    with pytest.raises(DatasetError, match=rf"pairs-000000.tar: sample {key} member {key}.txt: "
+                       "its bytes changed"):
         ShardReader(str(tmp_path / "idx"),
                     storage_options=local_s3.storage_options).check_shards()
-    fs.pipe_file(f"{BUCKET}/laion/pairs-000000.tar", tar)
+    tar[offset] ^= 0xFF
+    fs.pipe_file(f"{BUCKET}/laion/pairs-000000.tar", bytes(tar))
     ShardReader(str(tmp_path / "idx"), storage_options=local_s3.storage_options).check_shards()
 
 
@@ -1856,9 +1860,10 @@ def test_training_on_the_index_equals_training_on_the_build(ranks, conversations
 def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path):
     """A tar written again in place after its indexing, at the same size (its text member
     edited: training reads the text from the index, so it would train the old one without a
-    word): the start-up check names it and says to index again; indexing again into that
-    folder says to pass --overwrite, not to train from it as it is. An index made before
-    indexes recorded the tars' versions is read as before."""
+    word): the start-up check reads its samples' text, names the member that changed and
+    says to index again; indexing again into that folder says to pass --overwrite, not to
+    train from it as it is. The same bytes written again (a copy) start. An index made before
+    indexes recorded the tars' versions is read as before (unchecked)."""
     from mimo_data.shards.index import DatasetError
     from mimo_data.shards.reader import ShardReader
     (tmp_path / "tars").mkdir()
@@ -1869,21 +1874,27 @@ def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path)
     assert code == 0, err
     reader = ShardReader(str(tmp_path / "idx"))
     reader.check_shards()                                    # as indexed: nothing to say
-    offset, size, _ = reader.table.members(0)["txt"]
+    key = reader.table.key(3)
+    offset, size, _ = reader.table.members(3)["txt"]
     flip_byte(tar, offset)
-    os.utime(tar, ns=(tar.stat().st_atime_ns, tar.stat().st_mtime_ns + 10**9))
-    with pytest.raises(DatasetError, match=r"pairs-000001.tar written again since it was "
-                       r"indexed \(mtime_ns \d+ then, mtime_ns \d+ now\): run `mimo-shard "
-                       r"verify .*index the tars again where they are now"):
+    later = tar.stat().st_mtime_ns + 10**9
+    os.utime(tar, ns=(later, later))
+    with pytest.raises(DatasetError, match=rf"pairs-000001.tar: sample {key} member {key}.txt: "
+                       r"its bytes changed .*index the tars again where they are now"):
         ShardReader(str(tmp_path / "idx")).check_shards()
     code, _, err = cli_main(capsys, *made)
     assert code == 2 and "already holds an index of these tars, but 1 of them were written " \
         "again since (pairs-000001.tar): training from it would read their text as it was " \
         "then; pass --overwrite to index them again" in err, err
+    # the same bytes at another time of writing (a copy): the text found as indexed
+    flip_byte(tar, offset)
+    os.utime(tar, ns=(later, later))
+    ShardReader(str(tmp_path / "idx")).check_shards()
     index = json.loads((tmp_path / "idx" / "index.json").read_text())
     for shard in index["shards"]:
         del shard["version"]
     (tmp_path / "idx" / "index.json").write_text(json.dumps(index))
+    flip_byte(tar, offset)
     ShardReader(str(tmp_path / "idx")).check_shards()
     code, _, err = cli_main(capsys, *made)
     assert code == 2 and "an index of these tars, read the same way" in err, err

@@ -33,6 +33,8 @@ import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
+
 from mimo_data.shards import storage
 from mimo_data.shards.format import RECORDS_FILE, ShardRecord
 from mimo_data.shards.index import (DatasetError, check_complete, index_bytes, parse_index,
@@ -79,35 +81,50 @@ class ShardReader:
         return len(self.table)
 
     def check_shards(self) -> None:
-        """DatasetError naming every shard that is missing, not of the size the index says
-        (cut short, replaced) or, where the index holds its version (tars indexed in place:
-        their text is read from the index), written again since, so that a run stops at
-        start-up, not when it first reads one (or never, reading the index's text of a tar
-        that changed): one listing of a remote shard root, a ``stat`` per local shard;
-        ``RangesIgnored`` where an HTTP server serves them whole (``Remote.check_ranges``)."""
+        """DatasetError naming every shard that is missing or not of the size the index says
+        (cut short, replaced), so that a run stops at start-up, not when it first reads one:
+        one listing of a remote shard root, a ``stat`` per local shard; ``RangesIgnored``
+        where an HTTP server serves them whole (``Remote.check_ranges``). A shard written
+        again since (tars indexed in place, whose text a run reads from the index: its version
+        differs, its size not) has its samples' text checked against the index
+        (``_check_text``)."""
         names = [shard["name"] for shard in self.index["shards"]]
         found = storage.look_up(self.shard_root, names, self.shard_remote)
         if self.shard_remote is not None and names[0] in found:
             # every read is a range of a shard: one tried
             self.shard_remote.check_ranges(storage.join(self.shard_root, names[0]),
                                            found[names[0]][0])
-        problems = []
+        problems, rewritten = [], []
         for shard in self.index["shards"]:
             size, version = found.get(shard["name"], (None, None))
-            then = shard.get("version")
             if shard["name"] not in found:
                 problems.append(f"{shard['name']} missing")
             elif size not in (None, shard["bytes"]):
                 problems.append(f"{shard['name']} holds {size} bytes, the index says "
                                 f"{shard['bytes']}")
-            elif None not in (then, version) and then != version:
-                problems.append(f"{shard['name']} written again since it was indexed "
-                                f"({then} then, {version} now)")
+            elif None not in (shard.get("version"), version) and shard["version"] != version:
+                rewritten.append(shard["name"])
         if problems:
             more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
             raise DatasetError(f"{self.shard_root}: shard {'; '.join(problems[:3])}{more}: run "
                                f"`mimo-shard verify {self.directory}`, then restore the shards "
                                f"or {remake(self.index)}")
+        self._check_text(rewritten)
+
+    def _check_text(self, shards: list[str]) -> None:
+        """Read every member but the media of each sample of ``shards`` (tars written again
+        since their indexing, at the same size: a caption edited, or only copied), checked
+        against its crc32 (``read_member``: DatasetError naming the sample and member that
+        changed): the text a run reads from the index is the tars' (their media are checked
+        as they are read)."""
+        if not shards:
+            return
+        ids = [self.table.shard_names.index(name) for name in shards]
+        for position in np.flatnonzero(np.isin(self.table.shard_ids, ids)).tolist():
+            media = {item["member"] for item in self.record(position)["media"]}
+            for name in self.table.members(position):
+                if name not in media:
+                    self.read_member(position, name)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}, "_pid": None, "_pool": None, "_runs": {},
