@@ -56,6 +56,32 @@ def test_a_resumed_lora_runs_other_alpha_is_refused():
                                    "imagery": LoraConfig(alpha=2)})
 
 
+def test_lora_on_a_part_and_on_one_inside_it_share_the_checkpoints_alpha():
+    """A checkpoint trained with LoRA on a part inside a module (``model.lora`` key
+    ``image.encoder``, alpha 8) resumed with the scale set on the module (``image``, alpha 16)
+    holds the same layers' adapters under another scale: refused naming the checkpoint's alpha;
+    so is the reverse nesting, and a ``model.init_from`` start says to start from it with that
+    alpha."""
+    from mimo_train.components.checkpoint_fit import check_lora_scale
+    from mimo_train.config import LoraConfig
+    inner = {"config": {"model": {"lora": {"image.encoder": {"rank": 4, "alpha": 8}}}}}
+    with pytest.raises(CheckpointError, match=r"^checkpoint ck's adapters of image.encoder "
+                       r"trained with model.lora.image.encoder.alpha 8, this run's "
+                       r"model.lora.image.alpha is 16: the same weights would give another "
+                       r"model \(the adapters scaled by alpha / rank\); resume with alpha 8,"):
+        check_lora_scale("ck", inner, {"image": LoraConfig(rank=4, alpha=16)})
+    with pytest.raises(CheckpointError, match=r"model.lora.image.alpha is 16: .*; start from it "
+                       r"with alpha 8, or, for new adapters with another alpha, from its merged "
+                       r"export \(mimo-export\) as model.pretrained$"):
+        check_lora_scale("ck", inner, {"image": LoraConfig(rank=4, alpha=16)}, resume=False)
+    check_lora_scale("ck", inner, {"image": LoraConfig(rank=4, alpha=8)})
+    outer = {"config": {"model": {"lora": {"image": {"rank": 4, "alpha": 8}}}}}
+    with pytest.raises(CheckpointError, match=r"^checkpoint ck's adapters of image trained "
+                       r"with model.lora.image.alpha 8, this run's model.lora.image.encoder."
+                       r"alpha is 16: .* resume with alpha 8,"):
+        check_lora_scale("ck", outer, {"image.encoder": LoraConfig(rank=4, alpha=16)})
+
+
 def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, monkeypatch):
     """Resumed (or started) with another model.pretrained or dims, a checkpoint's tensors have
     other shapes or are missing: the refusal names the model settings that differ from the

@@ -202,3 +202,19 @@ def test_a_run_renews_its_claim_and_stops_before_it_saves_once_it_is_taken(tmp_p
     _claim_of(tmp_path, host="node-3", pid=77)            # ... but never another run's claim
     checkpoint_owner.release(str(tmp_path))
     assert (tmp_path / OWNER).exists()
+
+
+def test_a_run_never_renews_another_runs_claim(tmp_path, monkeypatch):
+    """``refresh`` rewrites this run's claim only: another run's (which took the folder over,
+    or ended on another host) keeps its time of writing, so it goes stale as its own run
+    stops renewing it, and keeps its text."""
+    claim = _claim_of(tmp_path, host="node-3", pid=77)
+    old = time.time() - checkpoint_owner.STALE_S - 1
+    os.utime(tmp_path / OWNER, (old, old))
+    monkeypatch.setattr(checkpoint_owner, "_refreshed", 0.0)       # its time to renew
+    checkpoint_owner.refresh(str(tmp_path))
+    assert time.time() - os.path.getmtime(tmp_path / OWNER) > checkpoint_owner.STALE_S
+    assert json.loads((tmp_path / OWNER).read_text()) == claim
+    assert checkpoint_owner._refreshed == 0.0
+    checkpoint_owner.claim(str(tmp_path))                  # stale: taken over
+    assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()

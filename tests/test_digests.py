@@ -156,6 +156,46 @@ def test_verify_refuses_an_unreadable_manifest(checkpoint):
         digests.verify(str(directory))
 
 
+def test_a_manifest_of_another_algorithm_is_refused_naming_it(checkpoint):
+    """A manifest whose digests are not SHA-256 (``"algorithm": "md5"``) is refused naming its
+    algorithm, not reported as a hash mismatch of every file."""
+    directory, files = checkpoint
+    (directory / "integrity.json").write_text(json.dumps(
+        {"algorithm": "md5", "files": {name: hashlib.md5(data).hexdigest()
+                                       for name, data in files.items()}}))
+    with pytest.raises(IntegrityError) as refused:
+        digests.verify(str(directory))
+    assert str(refused.value) == (f"{directory / 'integrity.json'} uses 'md5', this reader "
+                                  "knows 'sha256'")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_every_rank_raises_for_a_file_damaged_in_any_ranks_share(checkpoint, monkeypatch, rank):
+    """Two ranks verify a checkpoint, each hashing its share, and exchange their verdicts: the
+    rank whose share is sound raises the same error as the rank that found the damaged file
+    (else it would go on loading while the other stops). In process: the process group
+    stubbed, the other rank's verdicts its share's own."""
+    from mimo_train.runtime import distributed
+
+    directory, _ = checkpoint
+    for writer in range(3):
+        digests.write_part(str(directory), writer)
+    digests.write_manifest(str(directory))
+    expected, sizes = digests.read_manifest(str(directory))
+    split = digests.shares(sizes, 2)
+    assert "__1_0.distcp" in split[1]
+    (directory / "__1_0.distcp").write_bytes(b"b" * 499 + b"x")      # in rank 1's share
+    assert digests.mismatches(str(directory), split[0], expected, sizes) == []   # 0's: sound
+    monkeypatch.setattr(distributed, "together", lambda: True)
+    monkeypatch.setattr(distributed, "rank_and_size", lambda: (rank, 2))
+    monkeypatch.setattr(distributed, "gather", lambda mine: [
+        mine if r == rank else digests.mismatches(str(directory), split[r], expected, sizes)
+        for r in range(2)])
+    with pytest.raises(IntegrityError, match=r"^1 file\(s\) do not match integrity.json: "
+                       r"__1_0.distcp: hash mismatch \(expected "):
+        digests.verify(str(directory))
+
+
 def test_a_bases_digest_covers_the_weight_files_transformers_loads(tmp_path, monkeypatch):
     """A LoRA base's digest (``weights_digest``): over the files transformers loads, so a
     ``.bin`` or ``consolidated.safetensors`` beside them changes nothing, a changed shard

@@ -215,6 +215,21 @@ def test_record_rate_mfu_and_step_line():
     assert record["mfu"] is None and "  1 TFLOP/s  forward:" in line(record)
 
 
+def test_a_records_lr_is_the_language_modules():
+    """A step record's ``lr`` (TensorBoard's and W&B's ``train/lr``) is the language module's
+    learning rate, not the first module's (an image tower frozen at 0, say); a rank without the
+    language module gives its first module's, and the step line names each module's rate where
+    they differ."""
+    from mimo_train.components.metrics import line, train_record
+    record = train_record(1, 2.0, 1.0, 0.5, {"image": 0.0, "language": 1e-3}, False, 2.0, 8,
+                          {"image": 0.1, "language": 0.1})
+    assert record["lr"] == 1e-3 and record["lrs"] == {"image": 0.0, "language": 1e-3}
+    assert "  lr image 0.00e+00 language 1.00e-03  " in line(record)
+    assert train_record(1, 2.0, 1.0, 0.5, {"audio": 3e-4, "image": 2e-4}, False, 2.0, 8,
+                        {"audio": 0.1})["lr"] == 3e-4
+    assert train_record(1, 2.0, 1.0, 0.5, {}, False, 2.0, 8, {})["lr"] == 0.0
+
+
 # ------------------------------------------------------------------------------ Qwen3.5
 
 # the dense replica's language model (QWEN3_5's text_config): h 64, 4 heads of 64 in 2 query

@@ -335,6 +335,52 @@ def test_the_closing_loss_line_says_what_it_averages():
                                      "steps was skipped (a non-finite gradient norm or loss)")
 
 
+def test_the_interval_loss_leaves_out_a_step_skipped_with_a_finite_loss():
+    """The step line's ``(steps a-b: loss)`` of a logging interval is the loss per trained
+    token of its trained steps: a step skipped for a non-finite gradient norm is left out even
+    where its own loss is finite (its update was not applied)."""
+    from mimo_train.components.metrics import line, train_record
+    nan = float("nan")
+    records = [train_record(1, 20.0, 10, 0.5, {"language": 1e-3}, False, 1.0, 4,
+                            {"language": 0.1}),
+               train_record(2, 500.0, 10, nan, {"language": 1e-3}, True, 1.0, 4,
+                            {"language": 0.1}),
+               train_record(3, 120.0, 30, 0.5, {"language": 1e-3}, False, 1.0, 4,
+                            {"language": 0.1})]
+    assert records[1]["loss"] == 50.0 and records[1]["skipped"]
+    # (2.0 * 10 + 4.0 * 30) / 40 trained tokens; with step 2: (20 + 500 + 120) / 50 = 12.8
+    assert line(records[2], records).startswith(
+        "step    3: loss 4.0000 (steps 1-3: 3.5000)  grad_norm 0.500  lr 1.00e-03  "), \
+        line(records[2], records)
+    assert line(records[1], records[:2]).startswith("step    2: loss 50.0000 (steps 1-2: "
+                                                    "2.0000)  grad_norm nan  ")
+    assert line(records[1], records[:2]).endswith("  (skipped: non-finite gradients)")
+
+
+def test_a_records_line_writes_nested_non_finite_values_as_null():
+    """A record's JSON line is strict JSON: a NaN or infinity inside its per-module values
+    (``lrs``, ``forward_s``, ``memory_mibs``), as well as a skipped step's loss and gradient
+    norm, is written as null (Python would write ``NaN``, which jq refuses)."""
+    import json
+
+    from mimo_train.components.metrics import json_line
+    nan, inf = float("nan"), float("inf")
+    record = {"step": 7, "loss": nan, "grad_norm": inf, "lrs": {"image": nan, "language": 1e-3},
+              "forward_s": {"image": 0.25, "language": inf}, "memory_mib": 12.0,
+              "memory_mibs": {"image": 12.0, "language": nan},
+              "anomaly": {"samples": [{"loss": nan}, 1.5]}}
+    text = json_line(record)
+    assert text.endswith("}\n") and text.count("\n") == 1
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+    assert json.loads(text, parse_constant=refuse) == {
+        "step": 7, "loss": None, "grad_norm": None, "lrs": {"image": None, "language": 1e-3},
+        "forward_s": {"image": 0.25, "language": None}, "memory_mib": 12.0,
+        "memory_mibs": {"image": 12.0, "language": None},
+        "anomaly": {"samples": [{"loss": None}, 1.5]}}
+
+
 def test_wandb_gets_the_steps_in_order_with_a_spike_read_among_them(monkeypatch):
     """A logging step reads steps 1-4, then the trainer logs a spike of step 2 and the
     evaluation of step 4: W&B (which drops a step logged after a later one) gets 1, 2, the

@@ -702,6 +702,71 @@ def test_a_signal_before_the_training_steps_stops_the_rank_with_its_clean_ups(mo
             killed == [signal.SIGUSR1]
 
 
+def test_a_second_exit_signal_later_than_the_repeat_window_ends_the_rank_at_once(monkeypatch):
+    """While the training steps run, an exit signal is held until the step ends; a copy of it
+    within ``REPEAT_SECONDS`` of the first (Slurm's to every process, then torchrun's) is the
+    same delivery, but a second one later (a user's second Ctrl-C) ends the rank at once: the
+    default action put back and the signal sent again. In process: the clock and ``os.kill``
+    stubbed, the installed handler called."""
+    import signal
+    from types import SimpleNamespace
+
+    from mimo_train.runtime import preemption
+
+    now, killed = [100.0], []
+    monkeypatch.setattr(preemption, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(preemption.os, "kill", lambda pid, number: killed.append((pid, number)))
+    monkeypatch.setattr(preemption, "_training", False)        # put back after
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        with preemption.ExitSignals(["SIGUSR1"]) as signals:
+            handler = signal.getsignal(signal.SIGUSR1)
+            assert handler == signals._handle
+            handler(signal.SIGUSR1, None)
+            assert signals.received == signal.SIGUSR1 and killed == []
+            now[0] += preemption.REPEAT_SECONDS                 # the same delivery's copy
+            handler(signal.SIGUSR1, None)
+            assert killed == [] and signal.getsignal(signal.SIGUSR1) == signals._handle
+            now[0] += 0.5                                       # a second signal: die now
+            handler(signal.SIGUSR1, None)
+            assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+            assert killed == [(os.getpid(), signal.SIGUSR1)]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
+def test_the_exit_signals_stay_ignored_once_the_ranks_agreed_to_stop(monkeypatch):
+    """Leaving ``ExitSignals`` puts back the handler before it, unless the ranks agreed to stop
+    on a signal: then the run's exit signals stay ignored, so torchrun's SIGTERM (sent once the
+    first rank has exited) does not kill a rank still saving its stop checkpoint; until then a
+    signal to the stopping rank does nothing."""
+    import signal
+    import time
+
+    from mimo_train.runtime import preemption
+
+    killed = []
+    monkeypatch.setattr(preemption.os, "kill", lambda pid, number: killed.append(number))
+    monkeypatch.setattr(preemption, "_training", False)        # put back after
+
+    def previous(number, frame):
+        pass
+    before = signal.signal(signal.SIGUSR1, previous)
+    try:
+        with preemption.ExitSignals(["SIGUSR1"]):
+            assert signal.getsignal(signal.SIGUSR1) != previous
+        assert signal.getsignal(signal.SIGUSR1) == previous
+        with preemption.ExitSignals(["SIGUSR1"]) as signals:
+            # a second signal long after the first, which would end a rank that is not stopping
+            signals.received, signals.stopping = signal.SIGUSR1, True
+            signals._since = time.monotonic() - 2 * preemption.REPEAT_SECONDS
+            signal.getsignal(signal.SIGUSR1)(signal.SIGUSR1, None)     # torchrun's SIGTERM
+            assert killed == [] and signal.getsignal(signal.SIGUSR1) == signals._handle
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+
+
 def test_mimo_train_stopped_by_a_signal_during_start_up(monkeypatch, tmp_path, capsys, setup):
     """``mimo-train`` (in process, one rank: the trainer's start-up stubbed as one that has
     claimed checkpoint.dir and is reading a table when SIGTERM comes) exits 143 with one line
