@@ -29,8 +29,8 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 from mimo_data.modalities.audio import (AUDIO, MIN_AUDIO_SAMPLES, audio_encoder_inputs,
                                         audio_features,
                                     audio_rows_to_tokens, decode_audio)
-from mimo_data.modalities.image import (decode_image, image_encoder_inputs, image_rows_to_tokens,
-                                    normalize_pixels)
+from mimo_data.modalities.image import (IMAGE, decode_image, image_encoder_inputs,
+                                        image_rows_to_tokens, normalize_pixels)
 from mimo_data.modalities.base import MediaError
 from mimo_data.modalities.audio import probe_audio
 from mimo_data.modalities.image import probe_image
@@ -216,6 +216,21 @@ def test_rocket_is_turned_upright_as_its_metadata_says(images):
     assert decoded.mode == "RGB"
     assert decoded.size == (meta["width"], meta["height"])
     assert np.array_equal(np.asarray(decoded), upright)
+
+
+def test_an_image_whose_pixels_disagree_with_its_metadata_is_refused(images):
+    """A sample whose metadata states another size than the image decodes to (upright, as
+    its EXIF orientation turns it): decoding raises, naming both sizes, rather than hand the
+    encoder a grid its tokens were not counted for."""
+    _, data, meta, _ = image_named(images, "rocket.jpg")           # EXIF-rotated
+    width, height = meta["width"], meta["height"]
+    item = {"modality": "image", "member": "img0.jpg", **meta}
+    assert IMAGE.decode(data, item, ImageConfig()).size == (width, height)
+    for stated in ((width + 1, height), (width, height - 1), (height, width)):
+        with pytest.raises(ValueError) as caught:
+            IMAGE.decode(data, {**item, "width": stated[0], "height": stated[1]}, ImageConfig())
+        assert str(caught.value) == (f"decodes to {width}x{height}, the metadata says "
+                                     f"{stated[0]}x{stated[1]}")
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))

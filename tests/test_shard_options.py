@@ -38,6 +38,36 @@ def test_max_shard_bytes_bounds_every_shard_file(tmp_path, corpus_inputs, corpus
             f"{counts[path.name]} samples")
 
 
+def test_no_shard_passes_max_shard_bytes_even_by_its_end_of_archive_blocks(tmp_path):
+    """The writer closes a shard before a sample that would take it past the limit, counting
+    what closing adds (two zero blocks, padding to a whole 10 KiB record): swept over limits
+    and samples of many sizes, shards whose members end within a record's last 1024 bytes (the
+    end blocks then take a record of their own) included, no shard of more than one sample is
+    larger than the limit, and the sizes the writer records are the files'."""
+    from mimo_data.shards.writer import ShardSet
+    lengths = [700, 3000, 100, 9000, 1500, 4600, 20, 7000, 2500, 600, 11000, 300]
+    tight = 0           # shards whose last record holds nothing but the end blocks
+    for number, limit in enumerate(range(20_480, 20_480 + 20 * 9_728, 9_728)):
+        folder = tmp_path / str(limit)
+        folder.mkdir()
+        shards = ShardSet(str(folder), "data", max_samples=1_000, max_bytes=limit)
+        ends = {}
+        for n in range(60):
+            data = bytes([n]) * lengths[(n + number) % len(lengths)]
+            name, [record] = shards.add(f"{n:06d}", {"bin": data})
+            ends[name] = record["offset"] + record["size"]
+        written = shards.close()
+        assert sum(shard["samples"] for shard in written) == 60
+        for shard in written:
+            size = os.path.getsize(folder / shard["name"])
+            assert size == shard["bytes"], shard
+            assert size <= limit or shard["samples"] == 1, (
+                f"{shard['name']}: {size} bytes > max_bytes {limit} with "
+                f"{shard['samples']} samples")
+            tight += -(-ends[shard["name"]] // 512) * 512 <= size - 10_240
+    assert tight > 5, tight
+
+
 def test_a_sample_larger_than_max_shard_bytes_gets_its_own_shard(tmp_path, corpus_inputs,
                                                                   corpus_expected):
     build_dataset(corpus_inputs, tmp_path / "out", max_shard_bytes=1)

@@ -10,8 +10,8 @@ import tarfile
 
 import pytest
 
-from conftest import (REPO, build_dataset, cli_main, flip_byte, read_json, run_cli,
-                      samples_table)
+from conftest import (REPO, build_dataset, cli_main, flip_byte, read_json,
+                      rewrite_samples_parquet, run_cli, samples_table)
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,8 @@ def test_an_edited_index_is_named_by_verify_info_and_the_report(capsys, dataset)
     """An index.json of the right format whose values are not what the readers take (shards
     not a list, a size as text, a file's hash gone), or that no longer lists a shard whose
     samples the table holds: each command names the index and the key, exit 1, no traceback;
-    verify names the unlisted shard, whose size and hash it would not check."""
+    verify names the unlisted shard, whose size and hash it would not check. An index of a
+    version this mimo does not read is refused by each, saying which versions it reads."""
     from mimo_data.inspect.cli import main as inspect_main
     original = read_json(dataset / "index.json")
 
@@ -244,3 +245,116 @@ def test_an_edited_index_is_named_by_verify_info_and_the_report(capsys, dataset)
     edited(lambda index: index["shards"].pop())
     assert f"samples.parquet has samples in 1 shard(s) that index.json does not list ({last})" \
         in _verify(capsys, dataset)
+    # an index of a version this mimo does not read (a newer mimo's): refused by each command
+    edited(lambda index: index.update(version=99))
+    said = f"{dataset}/index.json: format 'mimo-shards' version 99; this mimo reads " \
+        "'mimo-shards' versions 1, 2 (a newer mimo wrote it?)"
+    assert said in _verify(capsys, dataset)
+    code, _, err = cli_main(capsys, "info", dataset)
+    assert code == 1 and said in err and "Traceback" not in err, err
+    assert inspect_main(["report", str(dataset), "--config",
+                         str(REPO / "configs" / "preprocess.yaml"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
+
+
+def test_a_samples_table_of_another_length_than_the_index_is_refused(dataset):
+    """A samples.parquet holding another number of rows than index.json's totals (another
+    build's table put in its place, its size and hash recorded): a reader refuses the dataset,
+    naming both counts and what to do, rather than read samples the index does not count."""
+    import pyarrow.parquet as pq
+
+    from mimo_data.shards.index import DatasetError
+    from mimo_data.shards.reader import ShardReader
+    table = pq.read_table(dataset / "samples.parquet")
+    total = read_json(dataset / "index.json")["totals"]["samples"]
+    assert table.num_rows == total
+    rewrite_samples_parquet(dataset, table.slice(0, total - 1))
+    with pytest.raises(DatasetError) as caught:
+        ShardReader(str(dataset))
+    assert str(caught.value) == (f"{dataset}: samples.parquet has {total - 1} rows, the index "
+                                 f"says {total} samples; rebuild the dataset")
+
+
+def test_a_shard_written_again_with_its_members_elsewhere_names_where_they_sit(capsys,
+                                                                               dataset):
+    """A shard written again by another tar writer (a pax header before each member): every
+    member's bytes are as built, but not at the offsets readers read them by; verify names
+    each member where it sits now against the table, not a change in headers or padding."""
+    row, _ = _member(dataset, ".jpg")
+    shard = dataset / row["shard"]
+    with tarfile.open(shard) as tar:
+        members = [(info, tar.extractfile(info).read()) for info in tar]
+    with tarfile.open(shard, "w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            info.pax_headers = {"comment": "written again"}
+            tar.addfile(info, io.BytesIO(data))
+    first = next(r for r in samples_table(dataset) if r["shard"] == row["shard"])
+    member = first["members"][0]
+    with tarfile.open(shard) as tar:
+        moved = tar.getmember(f"{first['key']}.{member['name']}").offset_data
+    assert moved != member["offset"]
+    err = _verify(capsys, dataset)
+    assert (f"shard {row['shard']}: sample {first['key']} member {first['key']}."
+            f"{member['name']}: at offset {moved} size {member['size']}, the table says "
+            f"{member}") in err, err
+    assert "every member sits" not in err, err
+
+
+def test_media_metadata_the_json_misstates_is_named(capsys, dataset):
+    """A sample's JSON whose image width is one more than the image's (its length unchanged):
+    verify names the member, what it decodes to and what the JSON says."""
+    rows = samples_table(dataset)
+    for row in rows:
+        names = [m["name"] for m in row["members"]]
+        if "img0.jpg" in names and row["shard"] != rows[0]["shard"]:
+            member = row["members"][names.index("json")]
+            shard = dataset / row["shard"]
+            data = shard.read_bytes()
+            text = data[member["offset"]:member["offset"] + member["size"]]
+            width = json.loads(text)["media"][0]["width"]
+            if len(str(width + 1)) == len(str(width)):
+                break
+    else:
+        raise AssertionError("no image whose width + 1 has as many digits")
+    edited = text.replace(f'"width": {width},'.encode(), f'"width": {width + 1},'.encode(), 1)
+    assert edited != text and len(edited) == len(text)
+    shard.write_bytes(data[:member["offset"]] + edited + data[member["offset"] + len(text):])
+    err = _verify(capsys, dataset)
+    assert (f"shard {row['shard']}: sample {row['key']} member {row['key']}.img0.jpg: width is "
+            f"{width}, the JSON says {width + 1}") in err, err
+
+
+def test_a_byte_changed_in_the_end_padding_is_said_to_be_in_padding(capsys, dataset):
+    """The shard's last byte (the record padding after its end-of-archive blocks) changed:
+    its length is as built, so verify says every member is intact and the change is in
+    headers or padding, not that the shard grew."""
+    row, _ = _member(dataset, ".jpg")
+    shard = dataset / row["shard"]
+    size = shard.stat().st_size
+    assert shard.read_bytes()[-1] == 0
+    flip_byte(shard, size - 1)
+    err = _verify(capsys, dataset)
+    assert f"{row['shard']}: sha256 differs from the index (the file changed after the build)" \
+        in err, err
+    assert (f"shard {row['shard']}: every member sits where samples.parquet says, matches its "
+            "crc32 (where recorded) and decodes: the changed bytes are in tar headers or "
+            "padding, or in media without a recorded crc32") in err, err
+    assert "bytes longer" not in err, err
+
+
+def test_a_member_appended_to_the_last_sample_is_named_as_a_repeated_suffix(capsys, dataset):
+    """``tar rf`` of a member with the shard's last sample's key and a suffix it has: read as
+    part of that sample (webdataset would take one of the two), so verify names the member as
+    repeating a suffix of its sample, not just the shard as grown."""
+    row, _ = _member(dataset, ".jpg")
+    shard = dataset / row["shard"]
+    last = [r for r in samples_table(dataset) if r["shard"] == row["shard"]][-1]
+    with tarfile.open(shard, "a") as tar:
+        added = tarfile.TarInfo(f"{last['key']}.json")
+        added.size = 2
+        tar.addfile(added, io.BytesIO(b"{}"))
+    err = _verify(capsys, dataset)
+    assert f"shard {row['shard']}: member {last['key']}.json repeats a suffix of its sample" \
+        in err, err
+    assert "bytes longer" not in err, err

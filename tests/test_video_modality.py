@@ -260,6 +260,20 @@ def test_decode_gives_the_sampled_frames(clips, name):
         np.testing.assert_array_equal(decoded, full[indices])
 
 
+def test_a_clip_whose_frames_disagree_with_its_metadata_is_refused(clips):
+    """A sample whose metadata states another frame size than the clip decodes to (upright,
+    as its rotation turns it): decoding raises, naming both sizes."""
+    clip = clips["rotated_h264_24"]
+    item = _item(clip, "header")
+    assert VIDEO.decode(clip.data, item, VideoConfig()).shape[1:3] == (clip.height, clip.width)
+    for stated in ((clip.width + 1, clip.height), (clip.height, clip.width)):
+        with pytest.raises(ValueError) as caught:
+            VIDEO.decode(clip.data, {**item, "width": stated[0], "height": stated[1]},
+                         VideoConfig())
+        assert str(caught.value) == (f"decodes to {clip.width}x{clip.height}, the metadata "
+                                     f"says {stated[0]}x{stated[1]}")
+
+
 def test_rotation_turns_the_pixels(clips):
     plain, turned = clips["pan_h264_24"], clips["rotated_h264_24"]   # the same frames
     indices = list(range(0, plain.frames, 7))
