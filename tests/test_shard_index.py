@@ -1383,6 +1383,54 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
     assert not (tmp_path / "strict").exists()
 
 
+def test_a_key_twice_in_one_tar_apart_is_kept_once_and_counted(corpus_photos, tmp_path):
+    """One tar holding a key's members twice with another sample between (1, 2, 1): the first
+    is kept, the second skipped ``duplicate_key`` saying the key occurs twice in the tar.
+    Where the first run is left out (a suffix twice), the later one is kept, and verified."""
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+
+    photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
+    write_tar(tmp_path / "src" / "a.tar", {"1.jpg": photo, "1.txt": b"First one.",
+                                           "2.jpg": photo, "2.txt": b"Second."})
+    with tarfile.open(tmp_path / "src" / "a.tar", "a") as tar:      # 1 again, after 2
+        for name, data in (("1.jpg", photo), ("1.txt", b"Another first.")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with contextlib.redirect_stderr(io.StringIO()):
+        built = index([str(tmp_path / "src")], str(tmp_path / "idx"),
+                      IndexOptions(workers=0, progress=False))
+    reader = ShardReader(str(tmp_path / "idx"))
+    assert [(reader.record(p)["key"], reader.record(p)["text"]) for p in range(len(reader))] \
+        == [("1", "First one."), ("2", "Second.")]
+    assert built["totals"]["samples"] == 2
+    report = json.loads((tmp_path / "idx" / "report.json").read_text())
+    assert (report["records_read"], report["samples_written"], report["records_skipped"]) \
+        == (3, 2, 1)
+    [skip] = report["skipped_by_reason"]["duplicate_key"]["first"]
+    assert skip["location"] == "a.tar:1"
+    assert skip["detail"].startswith("the key occurs twice in the tar (not one after the "
+                                     "other); the first is kept"), skip
+    # the key's first run left out (a suffix twice: 1.txt, 1.TXT), its later one kept: the
+    # index verifies, each kept sample checked where the table says, not the left-out run's
+    from mimo_data.shards.verify import verify
+    write_tar(tmp_path / "twice" / "a.tar", {"1.jpg": photo, "1.txt": b"First one.",
+                                             "1.TXT": b"Its twin.", "2.jpg": photo,
+                                             "2.txt": b"Second."})
+    with tarfile.open(tmp_path / "twice" / "a.tar", "a") as tar:
+        for name, data in (("1.jpg", photo), ("1.txt", b"Another first.")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with contextlib.redirect_stderr(io.StringIO()):
+        index([str(tmp_path / "twice")], str(tmp_path / "idx2"),
+              IndexOptions(workers=0, progress=False))
+    reader = ShardReader(str(tmp_path / "idx2"))
+    assert [reader.record(p)["text"] for p in range(len(reader))] == ["Second.", "Another first."]
+    assert verify(str(tmp_path / "idx2"), progress=False) == []
+
+
 def test_a_key_in_two_tars_leaves_the_report_counts_of_the_kept_sample(corpus, tmp_path):
     """What the dropped duplicates held (an answer out of the loss, a rotated clip) is not in
     the report's counts: they are of the samples kept."""
@@ -1945,6 +1993,31 @@ def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):
     with pytest.raises(DatasetError, match=r"then restore the shards or index the tars again "
                        r"where they are now \(`mimo-shard index`\)"):
         ShardReader(str(tmp_path / "idx")).check_shards()
+
+
+def test_a_tar_that_lost_samples_since_its_indexing_names_each_one(pairs, capsys, tmp_path):
+    """A tar written again with only its first samples (the end blocks after them): verify
+    names each indexed sample the tar no longer holds, and does not say that every member sits
+    where the table says with the change in headers or padding."""
+    (tmp_path / "tars").mkdir()
+    tar_path = tmp_path / "tars" / "pairs-000001.tar"
+    shutil.copy(pairs.src / "pairs-000001.tar", tar_path)
+    code, _, err = cli_main(capsys, "index", tar_path, "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 0, err
+    with tarfile.open(tar_path) as tar:
+        infos = tar.getmembers()
+    keys = list(dict.fromkeys(info.name.partition(".")[0] for info in infos))
+    assert len(keys) == PER_TAR
+    cut = next(info.offset for info in infos if info.name.startswith(keys[2] + "."))
+    tar_path.write_bytes(tar_path.read_bytes()[:cut] + bytes(2 * 512))
+    code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")
+    assert code == 1, err
+    for key in keys[2:]:
+        assert f"shard pairs-000001.tar: sample {key} is not in the tar" in err, err
+    for key in keys[:2]:
+        assert f"sample {key}" not in err, err
+    assert "every member sits" not in err and "headers or padding" not in err, err
 
 
 def test_a_vqa_ocr_sample_s_ocr_fields_are_said_as_not_read(tmp_path):

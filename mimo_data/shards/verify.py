@@ -167,8 +167,10 @@ def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict],
     problems: list[str] = []
     with open(path, "rb") as tar:
         for sample in walk(tar, walked):
-            if prefix + sample.key not in expected:
-                continue                    # left out by the indexing (its report counts it)
+            # left out by the indexing (its report counts it): a run of members repeating a
+            # suffix always, though a later run of its key is kept
+            if sample.duplicates or prefix + sample.key not in expected:
+                continue
             row, record = expected.pop(prefix + sample.key)
             where = f"shard {shard['name']}: sample {sample.key}"
             table = [m["name"] for m in row["members"]]
