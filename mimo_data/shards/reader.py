@@ -42,6 +42,7 @@ from mimo_data.shards.index import (DatasetError, check_complete, index_bytes, p
 from mimo_data.shards.record_table import RecordTable
 from mimo_data.shards.sample_table import SampleTable, table_key
 
+_CHECKED_AT_ONCE = 256             # samples ``_check_text`` prefetches at a time
 MAX_GAP = 256 << 10                # bytes between two spans still fetched as one request
 MAX_RUN = 16 << 20                 # bytes of one request at most
 THREADS = 8                        # requests in flight per reader and process
@@ -120,11 +121,15 @@ class ShardReader:
         if not shards:
             return
         ids = [self.table.shard_names.index(name) for name in shards]
-        for position in np.flatnonzero(np.isin(self.table.shard_ids, ids)).tolist():
-            media = {item["member"] for item in self.record(position)["media"]}
-            for name in self.table.members(position):
-                if name not in media:
-                    self.read_member(position, name)
+        positions = np.flatnonzero(np.isin(self.table.shard_ids, ids)).tolist()
+        for start in range(0, len(positions), _CHECKED_AT_ONCE):
+            chunk = positions[start:start + _CHECKED_AT_ONCE]
+            self.prefetch(chunk)        # a remote shard's: a few requests, not one a member
+            for position in chunk:
+                media = {item["member"] for item in self.record(position)["media"]}
+                for name in self.table.members(position):
+                    if name not in media:
+                        self.read_member(position, name)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}, "_pid": None, "_pool": None, "_runs": {},

@@ -10,8 +10,8 @@ import os
 import posixpath
 import sys
 from collections.abc import Iterable
-from typing import Any
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import braceexpand
 
