@@ -577,6 +577,49 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     assert "LR decay" not in output and "layout" not in output, output
 
 
+@pytest.mark.parametrize("eval_steps, per_epoch, left_out, said", [
+    (8, 2, 0, "each evaluation runs 2, every validation sample once\n"),
+    (8, 2, 4, "each evaluation runs 2, every validation sample once but the 4 the remainder "
+              "leaves out (a global batch that divides the kept samples evaluates them all)\n"),
+    (1, 4, 0, "1 step(s) of 6 samples per evaluation, the same each time (1 of the epoch's 4: "
+              "which samples, train.seed and the global batch draw)\n")])
+def test_the_validation_line_says_which_samples_an_evaluation_counts(monkeypatch, capsys,
+                                                                     eval_steps, per_epoch,
+                                                                     left_out, said):
+    """Start-up's lines on the validation set say what an evaluation counts: the whole epoch
+    with the samples the remainder leaves out named, or a part of it, which the seed and the
+    global batch draw. In process: the trainer's validation loader stubbed."""
+    from types import SimpleNamespace
+
+    from mimo_train.training import trainer as module
+    monkeypatch.setattr(module, "distributed", SimpleNamespace(gather=lambda value: [value]))
+    trainer = module.Trainer.__new__(module.Trainer)
+    trainer.cfg = SimpleNamespace(train=SimpleNamespace(eval_steps=eval_steps,
+                                                        global_batch_size=6))
+    trainer.valid_loader = SimpleNamespace(summary=lambda: "16 samples, 16 kept",
+                                           steps_per_epoch=per_epoch,
+                                           order=SimpleNamespace(remainder_samples=left_out))
+    assert trainer._eval_steps() == min(eval_steps, per_epoch)
+    output = capsys.readouterr().out
+    assert said in output, output
+    assert ("every validation sample once" in output) == (eval_steps > per_epoch), output
+
+
+def test_an_eval_interval_that_holds_none_of_the_runs_steps_is_said():
+    """``train.eval_interval`` beyond the steps a run trains (all of them, or those left after
+    a resume) would evaluate nothing without a word: start-up says so; where one step of the
+    run is a multiple of it, or evaluation is off, nothing is said."""
+    from mimo_train.training.trainer import no_evaluation
+    assert no_evaluation(10, 0, 2) == ("train.eval_interval 10 holds none of this run's steps "
+                                       "1-2: no evaluation runs (evaluations come at the steps "
+                                       "that are multiples of it)")
+    assert no_evaluation(10, 11, 19) == ("train.eval_interval 10 holds none of this run's "
+                                         "steps 12-19: no evaluation runs (evaluations come at "
+                                         "the steps that are multiples of it)")
+    assert [no_evaluation(*case) for case in ((10, 0, 10), (10, 9, 12), (3, 0, 4), (0, 0, 5))] \
+        == [None] * 4
+
+
 @pytest.mark.parametrize("during", ["SIGTERM", "deadline"])
 def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys, during):
     """An exit signal that comes while a step's checkpoint is saved, or the run's time limit

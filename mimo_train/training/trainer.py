@@ -347,15 +347,21 @@ class Trainer:
         ``data.valid`` so each validation sample counts once (collective: a rank that reads
         the set tells every rank its size). Rank 0 says the set's size, and the clamp."""
         valid, run = self.valid_loader, self.cfg.train
-        mine = (valid.summary(), valid.steps_per_epoch) if valid is not None else None
-        summary, per_epoch = next(v for v in distributed.gather(mine) if v is not None)
+        mine = (valid.summary(), valid.steps_per_epoch, valid.order.remainder_samples) \
+            if valid is not None else None
+        summary, per_epoch, left_out = next(v for v in distributed.gather(mine)
+                                            if v is not None)
         steps = min(run.eval_steps, per_epoch)
         if steps < run.eval_steps:
+            every = "every validation sample once" + (
+                f" but the {left_out} the remainder leaves out (a global batch that divides "
+                "the kept samples evaluates them all)" if left_out else "")
             say(f"{PREFIX}train.eval_steps {run.eval_steps} is more than the validation set's "
-                f"{per_epoch} global batch(es) an epoch: each evaluation runs {steps}, every "
-                "validation sample once")
+                f"{per_epoch} global batch(es) an epoch: each evaluation runs {steps}, {every}")
+        part = f" ({steps} of the epoch's {per_epoch}: which samples, train.seed and the " \
+            "global batch draw)" if steps < per_epoch else ""
         say(f"{PREFIX}validation set: {summary}; {steps} step(s) of {run.global_batch_size} "
-            f"samples per evaluation, the same each time")
+            f"samples per evaluation, the same each time{part}")
         return steps
 
     def _wire_schedule(self) -> None:
@@ -449,6 +455,8 @@ class Trainer:
         say(f"{PREFIX}layout {self.layout} on {self.world} rank(s), device "
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
             f"{run.micro_batch_size} per language DP rank per step")
+        if note := no_evaluation(run.eval_interval, self.step, run.steps):
+            say(f"{PREFIX}{note}")
         iterator = self.batches(self.loader, self.cfg.data.datasets)
         with ExitSignals(run.exit_signals, self.deadline) as signals, self.profile:
             while self.step < run.steps:
@@ -723,6 +731,16 @@ class Trainer:
         background = self.saver is not None and self.saver.queue is not None
         for directory in directories:
             say(f"{PREFIX}checkpoint {directory}" + (" complete" if background else ""))
+
+
+def no_evaluation(eval_interval: int, start: int, steps: int) -> str | None:
+    """What to say where ``train.eval_interval`` (0: off) puts no evaluation among a run's
+    steps ``start + 1 .. steps``; None where it puts one or is off."""
+    if not eval_interval or steps // eval_interval > start // eval_interval:
+        return None
+    return (f"train.eval_interval {eval_interval} holds none of this run's steps "
+            f"{start + 1}-{steps}: no evaluation runs (evaluations come at the steps that are "
+            "multiples of it)")
 
 
 def train(plan: RunPlan, records: str | None = None) -> Trainer:
