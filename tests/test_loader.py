@@ -340,12 +340,33 @@ def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, cor
     for _ in zip(range(3), loader):
         pass
     state = loader.state_dict()
-    assert len(json.dumps(state)) < 400                       # tiny
+    # tiny: a few values a dataset (what its fingerprint is of), none a sample
+    assert len(json.dumps({k: v for k, v in state.items() if k != "data"})) < 400
+    assert [set(d) for d in state["data"]["datasets"]] == [
+        {"directory", "index", "kept", "kept_digest"}]
     other = tmp_path / "other"
     build_dataset(corpus_inputs, other, max_samples_per_shard=20, check="header")
-    with pytest.raises(LoaderError, match="fingerprint.*start a new run from them "
+    corpus = sources["image"].directories[0]
+    with pytest.raises(LoaderError, match=f"fingerprint .*: {other}: another index than "
+                       f"{corpus}'s then \\(rebuilt, or other shards\\)\\), so the order "
+                       r"would not continue.*start a new run from them "
                        r"\(model.init_from=CHECKPOINT"):
         build_loader(str(other), configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3, state=state)
+    # what else changes the data is named: a dataset added, the blend's weights; the samples
+    # preprocessing keeps (``data_changes`` itself)
+    with pytest.raises(LoaderError, match=rf": 1 dataset\(s\) then \({corpus}\), 2 now "
+                       rf"\({corpus}, {other}\); blend weights None then, \[0.5, 0.5\] now\)"):
+        build_loader([corpus, str(other)], configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
+                     weights=[1, 1], state=state)
+    from mimo_data.loading.loader import data_changes
+    then = state["data"]["datasets"][0]
+    kept = then["kept"]
+    assert data_changes({**state["data"], "datasets": [{**then, "kept": 3, "kept_digest": "0"}]},
+                        state["data"]) == f"{corpus}: preprocessing keeps {kept} of its " \
+        "samples now, 3 then"
+    assert data_changes({**state["data"], "datasets": [{**then, "kept_digest": "0"}]},
+                        state["data"]) == f"{corpus}: preprocessing keeps other samples than then"
+    assert data_changes(state["data"], state["data"]) == ""
     allowed = build_loader(str(other), configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
                            state=state, allow_fingerprint_mismatch=True)
     assert (allowed.epoch, allowed.state_dict()["sample_offset"]) == (0, 6)

@@ -67,6 +67,7 @@ from typing import Any, cast
 import numpy as np
 import torch.utils.data
 
+from mimo_data.errors import listed
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.collate import Batch, BatchMetadata, Collator
 from mimo_data.loading.balance import BALANCE, Arrangement
@@ -251,11 +252,18 @@ class DataSource:
         self._texts: collections.OrderedDict[tuple[int, int], _Read] | None = None
         self._capacity = 0
         digest = hashlib.sha256()
+        # what the fingerprint is of, as a loader state keeps it to say what changed
+        self.fingerprinted: dict[str, Any] = {"datasets": [], "weights": None if
+                                              self.weights is None else
+                                              [w / sum(self.weights) for w in self.weights]}
         for reader, shape in zip(self.readers, self.shapes):
+            kept = np.packbits(shape.kept).tobytes()
             digest.update(reader.index_digest)
-            digest.update(np.packbits(shape.kept).tobytes())
-        digest.update(json.dumps(None if self.weights is None else
-                                 [w / sum(self.weights) for w in self.weights]).encode())
+            digest.update(kept)
+            self.fingerprinted["datasets"].append({
+                "directory": reader.directory, "index": reader.index_digest.hex()[:16],
+                "kept": shape.kept_count, "kept_digest": hashlib.sha256(kept).hexdigest()[:16]})
+        digest.update(json.dumps(self.fingerprinted["weights"]).encode())
         if self.weights is not None and 0 in self.weights:
             # a dataset of weight 0 sized the epoch until 2026-12-06: a state saved then
             # resumes to another order, and is refused as other data
@@ -766,7 +774,8 @@ class RankLoader:
                 "epoch": self.epoch, "sample_offset": self.index * self.global_micro_batch_size,
                 "step": self.step, "micro_batch": self.index % self.micro_batches_per_step,
                 "global_batch_size": self.order.global_batch_size,
-                "fingerprint": self.source.fingerprint, "arrangement": self._arrangement}
+                "fingerprint": self.source.fingerprint, "data": self.source.fingerprinted,
+                "arrangement": self._arrangement}
 
     @property
     def _arrangement(self) -> str:
@@ -779,12 +788,15 @@ class RankLoader:
             raise LoaderError(f"not a {STATE_FORMAT} version {STATE_VERSION} state: "
                               f"{state.get('format')!r} version {state.get('version')!r}")
         if state["fingerprint"] != self.source.fingerprint and not allow_fingerprint_mismatch:
+            changed = data_changes(state["data"], self.source.fingerprinted) \
+                if "data" in state else ""
             raise LoaderError(
                 f"the loader state was saved for other data (fingerprint "
                 f"{state['fingerprint'][:12]}..., these datasets give "
-                f"{self.source.fingerprint[:12]}...: different shards, blend weights or "
-                "preprocessing drops, which a mimo version that keeps other samples under the "
-                "same config changes too), so the order would not continue where it stopped. "
+                f"{self.source.fingerprint[:12]}...: "
+                + (changed or "different shards, blend weights or preprocessing drops, which a "
+                   "mimo version that keeps other samples under the same config changes too")
+                + "), so the order would not continue where it stopped. "
                 "Use the same datasets and config; to train the checkpoint's weights on other "
                 "data, start a new run from them (model.init_from=CHECKPOINT, another "
                 "checkpoint.dir: a new optimizer and sample stream); mimo-train has no key "
@@ -842,6 +854,30 @@ class RankLoader:
         return (f"{self.source.tally.summary()}{blend}; {self.steps_per_epoch} step(s) an "
                 f"epoch{left}{'; token-balanced' if order.arrangement is not None else ''}"
                 f"{'; packed' if order.packing is not None else ''}")
+
+
+def data_changes(then: dict, now: dict) -> str:
+    """What differs between two ``DataSource.fingerprinted``: datasets added or gone, a
+    dataset's index (rebuilt, other shards), the samples preprocessing keeps of it, the blend
+    weights; "" where none of these."""
+    changes = []
+    before, after = then["datasets"], now["datasets"]
+    if len(before) != len(after):
+        changes.append(f"{len(before)} dataset(s) then ({listed(d['directory'] for d in before)}"
+                       f"), {len(after)} now ({listed(d['directory'] for d in after)})")
+    else:
+        for old, new in zip(before, after):
+            if old["index"] != new["index"]:
+                changes.append(f"{new['directory']}: another index than {old['directory']}'s "
+                               "then (rebuilt, or other shards)")
+            elif old["kept_digest"] != new["kept_digest"]:
+                changes.append(f"{new['directory']}: preprocessing keeps {new['kept']} of its "
+                               f"samples now, {old['kept']} then" if new["kept"] != old["kept"]
+                               else f"{new['directory']}: preprocessing keeps other samples "
+                               "than then")
+    if then["weights"] != now["weights"]:
+        changes.append(f"blend weights {then['weights']} then, {now['weights']} now")
+    return "; ".join(changes)
 
 
 def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int,
