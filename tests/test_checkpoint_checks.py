@@ -161,3 +161,25 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
         "image, language): it was saved by a run without them. Resume with the checkpoint's "
         "model.encoders and layout, or train this model in another checkpoint.dir"), \
         refused.value
+
+
+def test_a_resume_says_a_pretrained_model_it_does_not_read_and_parts_frozen_from_now():
+    """A resume that fits its checkpoint but whose config names another pretrained model (the
+    checkpoint's weights continue: the folder gives only the config and files), or freezes a
+    part that trained until then (its optimizer state dropped, for good), says so; the
+    checkpoint's own settings, or a part frozen inside one frozen then, say nothing."""
+    from mimo_train.components.checkpoint_fit import resume_notes
+    saved = {"config": {"model": {"pretrained": "/models/a", "freeze": ["image.encoder"],
+                                  "encoders": {"audio": {"pretrained": "/models/w"}}}}}
+    assert resume_notes(saved, saved["config"]["model"], ["image.encoder"]) == []
+    assert resume_notes(saved, saved["config"]["model"], ["image.encoder.x"]) == []
+    assert resume_notes({}, {"pretrained": "/models/b"}, []) == []
+    now = {"pretrained": "/models/b", "freeze": ["image.encoder", "audio"],
+           "encoders": {"audio": {"pretrained": "/models/w"}}}
+    assert resume_notes(saved, now, now["freeze"]) == [
+        "model.pretrained is /models/b here, /models/a when the checkpoint was saved: the "
+        "checkpoint's weights continue the run (the folder gives the model's config and files, "
+        "of the same shapes)",
+        "model.freeze now holds audio, which trained until this checkpoint: frozen from here, "
+        "their optimizer state dropped (a later resume cannot train them again: "
+        "model.init_from can)"]

@@ -549,7 +549,8 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     monkeypatch.setattr(module, "phase", lambda name, done, function, start=None: function())
     monkeypatch.setattr(module, "distributed", SimpleNamespace(gather=lambda value: [value]))
     monkeypatch.setattr(module, "checkpoint_fit", SimpleNamespace(
-        check=lambda *args: {}, check_lora_scale=lambda *args: None))
+        check=lambda *args: {}, check_lora_scale=lambda *args: None,
+        resume_notes=lambda *args: []))
     monkeypatch.setattr(module, "checkpoint", SimpleNamespace(
         load=lambda *args: (12, {"language": {
             "train.steps": (12, steps)} if steps != 12 else {}})))

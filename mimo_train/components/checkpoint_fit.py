@@ -301,6 +301,30 @@ def _check_frozen(directory: str, meta: dict, saved, freeze: Sequence[str]) -> N
             "and another checkpoint.dir")
 
 
+def resume_notes(meta: dict, settings: dict, freeze: Sequence[str]) -> list[str]:
+    """What a resume that fits (``check``) takes otherwise than its config may suggest, to be
+    said: a pretrained model other than the checkpoint's run had (the checkpoint's weights
+    continue; the folder's config builds the model), parts frozen now that trained until the
+    checkpoint (their optimizer state dropped, and no later resume trains them again).
+    ``settings``: this run's model section; ``meta``: the checkpoint's."""
+    saved = (meta.get("config") or {}).get("model")
+    if not isinstance(saved, dict):
+        return []
+    theirs, ours = _flat(saved, "model."), _flat(settings, "model.")
+    notes = [f"{key} is {ours[key]} here, {theirs[key]} when the checkpoint was saved: the "
+             "checkpoint's weights continue the run (the folder gives the model's config and "
+             "files, of the same shapes)" for key in sorted(theirs.keys() & ours.keys())
+             if key.endswith("pretrained") and theirs[key] != ours[key]]
+    then = saved.get("freeze") or []
+    added = [part for part in freeze if not any(
+        part == old or part.startswith(f"{old}.") for old in then)]
+    if added:
+        notes.append(f"model.freeze now holds {listed(added)}, which trained until this "
+                     "checkpoint: frozen from here, their optimizer state dropped (a later "
+                     "resume cannot train them again: model.init_from can)")
+    return notes
+
+
 def _numbered_layers(sharded: list) -> set[str]:
     """The keys of this rank's layers that megatron-core saves stacked (``decoder.layers.``
     + name, the layer the first axis), each as its own layer's (``decoder.layers.<i>.``):

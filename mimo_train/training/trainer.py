@@ -238,8 +238,8 @@ class Trainer:
             meta = checkpoint_fit.check(directory, self.model, None, (),
                                     self.cfg.to_dict()["model"])
             checkpoint_fit.check_lora_scale(directory, meta, self.cfg.model.lora, resume=False)
-        phase("init_from check", f"model.init_from {directory}: its index fits this model "
-              "(its data is checked as it loads)", checked)
+        phase("init_from check", f"model.init_from {directory}: its tensor index fits this "
+              "model (its data is checked as it loads)", checked)
 
         def load():
             checkpoint.load_model(directory, self.model)
@@ -253,8 +253,8 @@ class Trainer:
                                     self.cfg.train.precision)
             checkpoint_fit.check_lora_scale(directory, meta, self.cfg.model.lora)
             return meta
-        meta = phase("checkpoint check", f"checkpoint {directory}: its index fits this run (its "
-                     "data is checked as it loads)", checked)
+        meta = phase("checkpoint check", f"checkpoint {directory}: its tensor index fits this "
+                     "run (its data is checked as it loads)", checked)
         if self.cfg.model.lora and meta.get("lora_base"):
             # the fixed weights come from the checkpoint: its base stays the one recorded,
             # whatever model.pretrained holds now
@@ -286,6 +286,9 @@ class Trainer:
             say(f"{PREFIX}model.init_from {self.cfg.model.init_from} is replaced by the "
                 f"checkpoint resumed from ({directory}): its weights continue the run; to "
                 "start over from init_from, give another checkpoint.dir")
+        for note in checkpoint_fit.resume_notes(meta, self.cfg.to_dict()["model"],
+                                                self.cfg.model.freeze):
+            say(f"{PREFIX}resuming {directory}: {note}")
 
     def layer_offset(self, name: str) -> int:
         """Global index of this rank's first layer of module ``name``."""
