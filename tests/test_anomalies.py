@@ -145,9 +145,10 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(ranks, planted,  # noqa
     stops = re.findall(r"^mimo-train: 3 steps were skipped for a non-finite gradient norm.*$",
                        output, re.MULTILINE)
     assert len(stops) == 1, output
-    # the checkpoints that hold the weights the skips began from, named by step
-    assert "the first skipped): a checkpoint saved at step 1 or later holds the weights the " \
-        "skips began from" in stops[0], stops[0]
+    # the weights the skips began from, step 1's update's: no checkpoint to resume
+    assert "Weights gone wrong (a learning rate too high): step 1's update made the weights " \
+        "every later step was skipped from, which every checkpoint of the run holds, so lower " \
+        "optimizer.lr and start the run again. Or raise the limit" in stops[0], stops[0]
     # torchrun's report names it as the root cause (each rank's error file), not "<N/A>"
     assert json.loads(error_file.read_text())["message"]["message"] == stops[0]
     train = [r for r in records if "loss" in r]
@@ -162,6 +163,30 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(ranks, planted,  # noqa
     # each skipped step's anomaly record right after its own record
     assert [r["step"] for r in records] == [1, 2, 2, 3, 3, 4, 4], records
     assert all(a["skipped"] and len(a["samples"]) == 2 for a in skipped)
+
+
+def test_the_stop_for_skipped_steps_says_which_checkpoints_hold_the_weights_they_began_from():
+    """Past train.max_skipped_steps the stop's advice follows the skips' shape: a run of
+    skipped steps from step F began from the weights of step F-1's update, which every
+    checkpoint saved since holds; skips with updates between them claim no such step; from
+    step 2, none of the run's checkpoints is before it; from step 1, the pretrained weights."""
+    from mimo_train.components.anomalies import Watch
+
+    def stop(*steps: int) -> str:
+        watch = Watch(len(steps) - 1, 0.0, 1)
+        watch.skipped.update(steps)         # as skip() counts them (its record gathered)
+        said = watch.over_limit()
+        assert said is not None and said.startswith(f"{len(steps)} steps were skipped")
+        return said
+    assert "the loss rising before step 5, the first skipped): a checkpoint saved at step 4 " \
+        "or later holds the weights the skips began from (a skipped step updates none), so " \
+        "lower optimizer.lr and resume from one saved before step 4 (mimo-inspect checkpoint " \
+        "DIR --all lists them), or start the run again. Or raise the limit" in stop(5, 6, 7)
+    spread = stop(5, 400, 401)
+    assert "the loss rising before the skips, steps 5, 400, 401): lower optimizer.lr and " \
+        "resume from a checkpoint saved before it rose" in spread and "step 4" not in spread
+    assert "step 1's update made the weights every later step was skipped from" in stop(2, 3)
+    assert "The first step was skipped: look at the pretrained weights too" in stop(1, 2)
 
 
 @pytest.mark.parametrize("layout", [

@@ -331,8 +331,11 @@ def test_the_closing_loss_line_says_what_it_averages():
                {"loss": 7.0, "skipped": False}, {"loss": 1.0, "skipped": True}]
     assert summary(skipped) == ("mimo-train: loss over this run's 2 steps: 9.0000 (the first "
                                 "step) -> 7.0000 (the last step) (2 skipped steps left out)")
-    assert summary(skipped[1:2]) == ("mimo-train: no loss to sum up: each of this run's 1 "
-                                     "steps was skipped (a non-finite gradient norm or loss)")
+    assert summary(skipped[1:2]) == ("mimo-train: no loss to sum up: its one step was skipped "
+                                     "(a non-finite gradient norm or loss)")
+    assert summary([skipped[1], skipped[3]]) == ("mimo-train: no loss to sum up: each of its 2 "
+                                                 "steps was skipped (a non-finite gradient norm "
+                                                 "or loss)")
 
 
 def test_the_interval_loss_leaves_out_a_step_skipped_with_a_finite_loss():

@@ -23,6 +23,7 @@ import math
 import statistics
 from collections import deque
 
+from mimo_data.errors import listed
 from mimo_data.loading.layout import LANGUAGE, RankRole
 from mimo_train.runtime import distributed
 
@@ -63,15 +64,7 @@ class Watch:
     def over_limit(self) -> str | None:
         """Why the run must stop (more skipped steps than allowed), or None."""
         if len(self.skipped) > self.max_skipped:
-            first = min(self.skipped)
-            weights = (
-                f"Weights gone wrong (a learning rate too high; the loss rising before step "
-                f"{first}, the first skipped): a checkpoint saved at step {first - 1} or later "
-                "holds the weights the skips began from (a skipped step updates none), so "
-                f"lower optimizer.lr and resume from one saved before step {first - 1} "
-                "(mimo-inspect checkpoint DIR --all lists them) or start the run again"
-                if first > 1 else "The first step was skipped: look at the pretrained weights "
-                "too")
+            weights = _weights_advice(sorted(self.skipped))
             return (
                 f"{len(self.skipped)} steps were skipped for a non-finite gradient norm (or "
                 f"loss), more than train.max_skipped_steps ({self.max_skipped}): the run stops "
@@ -80,6 +73,29 @@ class Watch:
                 f"or drop them and resume from the last checkpoint. {weights}. Or raise the "
                 "limit")
         return None
+
+
+def _weights_advice(skipped: list[int]) -> str:
+    """What to do where the weights went wrong, for the (sorted) ``skipped`` steps: where
+    they run on from their first F (every update since F-1's skipped), a checkpoint saved at
+    F-1 or later holds the weights they began from, which an update up to F-1 made."""
+    first = skipped[0]
+    if skipped[-1] - first + 1 != len(skipped):         # updates between them: no such claim
+        return ("Weights gone wrong (a learning rate too high: the loss rising before the "
+                f"skips, steps {listed(skipped[:6])}{' ...' if len(skipped) > 6 else ''}): "
+                "lower optimizer.lr and resume from a checkpoint saved before it rose "
+                "(mimo-inspect checkpoint DIR --all lists them), or start the run again")
+    if first == 1:
+        return "The first step was skipped: look at the pretrained weights too"
+    if first == 2:
+        return ("Weights gone wrong (a learning rate too high): step 1's update made the "
+                "weights every later step was skipped from, which every checkpoint of the run "
+                "holds, so lower optimizer.lr and start the run again")
+    return (f"Weights gone wrong (a learning rate too high; the loss rising before step "
+            f"{first}, the first skipped): a checkpoint saved at step {first - 1} or later holds "
+            "the weights the skips began from (a skipped step updates none), so lower "
+            f"optimizer.lr and resume from one saved before step {first - 1} (mimo-inspect "
+            "checkpoint DIR --all lists them), or start the run again")
 
 
 def _record(step: int, reason: str, skipped: bool, loss: float, grad_norm: float,

@@ -305,10 +305,16 @@ def _interval_loss(records: Sequence[dict]) -> str:
     skipped for non-finite gradients left out; empty for one step."""
     if len(records) < 2:
         return ""
-    counted = [r for r in records if not r["skipped"] and math.isfinite(r["loss"])]
+    counted = _stepped(records)
     tokens = sum(r["tokens"] for r in counted)
     loss = sum(r["loss"] * r["tokens"] for r in counted) / tokens if tokens else math.nan
     return f" (steps {records[0]['step']}-{records[-1]['step']}: {loss:.4f})"
+
+
+def _stepped(records: Sequence[dict]) -> list[dict]:
+    """The train ``records`` of steps that updated the weights: those skipped for a non-finite
+    gradient norm (or loss) left out."""
+    return [r for r in records if not r.get("skipped") and math.isfinite(r["loss"])]
 
 
 def _rate(record: dict) -> str:
@@ -325,11 +331,12 @@ def summary(records: list[dict]) -> str | None:
     steps = [r for r in records if "loss" in r]
     if not steps:
         return None
-    losses = [r["loss"] for r in steps if not r.get("skipped") and math.isfinite(r["loss"])]
+    losses = [r["loss"] for r in _stepped(steps)]
     left_out = len(steps) - len(losses)
     if not losses:
-        return (f"{PREFIX}no loss to sum up: each of this run's {len(steps)} steps was skipped "
-                "(a non-finite gradient norm or loss)")
+        each = "its one step was" if len(steps) == 1 else f"each of its {len(steps)} steps was"
+        return (f"{PREFIX}no loss to sum up: {each} skipped (a non-finite gradient norm or "
+                "loss)")
     skipped = f" ({left_out} skipped steps left out)" if left_out else ""
     if len(losses) == 1:
         return f"{PREFIX}loss of this run's one step: {losses[0]:.4f}{skipped}"
