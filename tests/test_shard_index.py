@@ -532,7 +532,10 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
                     storage_options=local_s3.storage_options).check_shards()
     tar[offset] ^= 0xFF
     fs.pipe_file(f"{BUCKET}/laion/pairs-000000.tar", bytes(tar))
+    read: list = []
+    monkeypatch.setattr(ShardReader, "read_member", lambda self, *member: read.append(member))
     ShardReader(str(tmp_path / "idx"), storage_options=local_s3.storage_options).check_shards()
+    assert read == []
 
 
 @pytest.mark.filterwarnings(FORK_WARNING)       # energon prepare's worker pool
@@ -1905,7 +1908,7 @@ def test_training_on_the_index_equals_training_on_the_build(ranks, conversations
     assert_continues(resumed, runs["indexed"], [3], loss=1e-6, grad_norm_rel=1e-6)
 
 
-def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path):
+def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path, monkeypatch):
     """A tar written again in place after its indexing, at the same size (its text member
     edited: training reads the text from the index, so it would train the old one without a
     word): the start-up check reads its samples' text, names the member that changed and
@@ -1917,11 +1920,22 @@ def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path)
     (tmp_path / "tars").mkdir()
     tar = tmp_path / "tars" / "pairs-000001.tar"
     shutil.copy(pairs.src / "pairs-000001.tar", tar)
-    made = ("index", tar, "--output", tmp_path / "idx", "--workers", "0", "--no-progress")
+    # beside it a tar of no kept sample (its one sample repeats a suffix): in the index, not
+    # in the sample table
+    write_tar(tmp_path / "tars" / "dup.tar", {"1.jpg": b"x", "1.txt": b"a", "1.TXT": b"b"})
+    made = ("index", tmp_path / "tars", "--output", tmp_path / "idx", "--workers", "0",
+            "--no-progress")
     code, _, err = cli_main(capsys, *made)
     assert code == 0, err
     reader = ShardReader(str(tmp_path / "idx"))
-    reader.check_shards()                                    # as indexed: nothing to say
+    read: list = []
+    monkeypatch.setattr(ShardReader, "read_member", lambda self, *member: read.append(member))
+    reader.check_shards()                                    # as indexed: nothing read
+    dup = tmp_path / "tars" / "dup.tar"
+    os.utime(dup, ns=(dup.stat().st_mtime_ns + 10**9,) * 2)
+    reader.check_shards()                                    # written again, of no sample
+    assert read == []
+    monkeypatch.undo()
     key = reader.table.key(3)
     offset, size, _ = reader.table.members(3)["txt"]
     flip_byte(tar, offset)
@@ -1931,9 +1945,9 @@ def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path)
                        r"its bytes changed .*index the tars again where they are now"):
         ShardReader(str(tmp_path / "idx")).check_shards()
     code, _, err = cli_main(capsys, *made)
-    assert code == 2 and "already holds an index of these tars, but 1 of them were written " \
-        "again since (pairs-000001.tar): training from it would read their text as it was " \
-        "then; pass --overwrite to index them again" in err, err
+    assert code == 2 and "already holds an index of these tars, but 2 of them were written " \
+        "again since (dup.tar, pairs-000001.tar): their text may differ from the index's, " \
+        "which a run checks at start-up; pass --overwrite to index them again" in err, err
     # the same bytes at another time of writing (a copy): the text found as indexed
     flip_byte(tar, offset)
     os.utime(tar, ns=(later, later))

@@ -140,7 +140,7 @@ def index_shard(job: _Job) -> ShardResult:
         head: list[dict[str, bytes]] = []          # the first samples, for the layout's check
         try:
             with open_tar(location, job.storage_options) as tar:
-                result.version = tar_version(tar)
+                result.version = tar_version(tar, location, job.storage_options)
                 for sample in walk(tar, result.walked):
                     result.samples += 1
                     if job.first and len(head) < DETECT_SAMPLES:
@@ -471,7 +471,6 @@ def _changed(output: str, source: Source, options: IndexOptions,
         with open(os.path.join(output, INDEX_FILE)) as f:
             old = json.load(f)
         held = {shard["name"] for shard in old["shards"]}
-        versions = {shard["name"]: shard.get("version") for shard in old["shards"]}
         root = old["shard_root"]
         built = old["build"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -499,14 +498,13 @@ def _changed(output: str, source: Source, options: IndexOptions,
     if not added and not gone:
         remote = storage.Remote(source.root, storage_options) \
             if storage.is_remote(source.root) else None
-        now_found = storage.look_up(source.root, source.shards, remote)
-        rewritten = [name for name in source.shards if None not in (
-            versions[name], now_found.get(name, (None, None))[1]) and
-            versions[name] != now_found[name][1]]
+        rewritten = storage.rewritten(old["shards"], storage.look_up(source.root, source.shards,
+                                                                     remote))
         if rewritten:
-            return (f" of these tars, but {len(rewritten)} of them were written again since "
-                    f"({', '.join(rewritten[:3])}{' ...' * (len(rewritten) > 3)}): training "
-                    f"from it would read their text as it was then; {again}")
+            were = "1 was" if len(rewritten) == 1 else f"{len(rewritten)} of them were"
+            return (f" of these tars, but {were} written again since "
+                    f"({', '.join(rewritten[:3])}{' ...' * (len(rewritten) > 3)}): their text "
+                    f"may differ from the index's, which a run checks at start-up; {again}")
         return f" of these tars, read the same way; train from it as it is, {again}"
     changes = [f"{how} {len(names)} tar(s) {which} ({', '.join(names[:3])}"
                f"{' ...' * (len(names) > 3)})"

@@ -95,22 +95,17 @@ class ShardReader:
             # every read is a range of a shard: one tried
             self.shard_remote.check_ranges(storage.join(self.shard_root, names[0]),
                                            found[names[0]][0])
-        problems, rewritten = [], []
-        for shard in self.index["shards"]:
-            size, version = found.get(shard["name"], (None, None))
-            if shard["name"] not in found:
-                problems.append(f"{shard['name']} missing")
-            elif size not in (None, shard["bytes"]):
-                problems.append(f"{shard['name']} holds {size} bytes, the index says "
-                                f"{shard['bytes']}")
-            elif None not in (shard.get("version"), version) and shard["version"] != version:
-                rewritten.append(shard["name"])
+        problems = [f"{shard['name']} missing" if shard["name"] not in found else
+                    f"{shard['name']} holds {found[shard['name']][0]} bytes, the index says "
+                    f"{shard['bytes']}" for shard in self.index["shards"]
+                    if shard["name"] not in found or found[shard["name"]][0] not in (
+                        None, shard["bytes"])]
         if problems:
             more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
             raise DatasetError(f"{self.shard_root}: shard {'; '.join(problems[:3])}{more}: run "
                                f"`mimo-shard verify {self.directory}`, then restore the shards "
                                f"or {remake(self.index)}")
-        self._check_text(rewritten)
+        self._check_text(storage.rewritten(self.index["shards"], found))
 
     def _check_text(self, shards: list[str]) -> None:
         """Read every member but the media of each sample of ``shards`` (tars written again
@@ -118,17 +113,19 @@ class ShardReader:
         against its crc32 (``read_member``: DatasetError naming the sample and member that
         changed): the text a run reads from the index is the tars' (their media are checked
         as they are read)."""
-        if not shards:
-            return
-        ids = [self.table.shard_names.index(name) for name in shards]
+        wanted = set(shards)        # (a tar of no kept sample has no id in the table)
+        ids = [i for i, name in enumerate(self.table.shard_names) if name in wanted]
         positions = np.flatnonzero(np.isin(self.table.shard_ids, ids)).tolist()
         for start in range(0, len(positions), _CHECKED_AT_ONCE):
             chunk = positions[start:start + _CHECKED_AT_ONCE]
-            self.prefetch(chunk)        # a remote shard's: a few requests, not one a member
-            for position in chunk:
-                media = {item["member"] for item in self.record(position)["media"]}
+            media = [{item["member"] for item in self.record(p)["media"]} for p in chunk]
+            named = set().union(*media)
+            # a remote shard's: a few requests, not one a member, without the media (the
+            # function is called within prefetch, before ``named`` changes)
+            self.prefetch(chunk, lambda name: name not in named)  # noqa: B023
+            for position, theirs in zip(chunk, media):
                 for name in self.table.members(position):
-                    if name not in media:
+                    if name not in theirs:
                         self.read_member(position, name)
 
     def __getstate__(self) -> dict:

@@ -554,6 +554,16 @@ def look_up(root: str, names: list[str], remote: Remote | None
     return found
 
 
+def rewritten(shards: list[dict], found: dict[str, tuple[int | None, str | None]]
+              ) -> list[str]:
+    """The names of an index's ``shards`` (each with its ``name`` and, where recorded, the
+    ``version`` it was indexed at) that ``found`` (``look_up``) holds at another version: tars
+    written again since (a copy too); none where either version is unknown."""
+    return [shard["name"] for shard in shards if None not in (
+        then := shard.get("version"), now := found.get(shard["name"], (None, None))[1])
+        and then != now]
+
+
 def redacted(options: Any) -> Any:
     """``options`` with the value of every secret-looking key (``key``, ``secret``,
     ``token``...) replaced: what may be written into a checkpoint or a log."""
