@@ -355,7 +355,8 @@ def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, cor
     # what else changes the data is named: a dataset added, the blend's weights; the samples
     # preprocessing keeps (``data_changes`` itself)
     with pytest.raises(LoaderError, match=rf": 1 dataset\(s\) then \({corpus}\), 2 now "
-                       rf"\({corpus}, {other}\); blend weights None then, \[0.5, 0.5\] now\)"):
+                       rf"\({corpus}, {other}\); blend weights none \(each dataset by its "
+                       r"size\) then, 0.5, 0.5 now \(as shares\)\)"):
         build_loader([corpus, str(other)], configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
                      weights=[1, 1], state=state)
     from mimo_data.loading.loader import data_changes
@@ -367,6 +368,10 @@ def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, cor
     assert data_changes({**state["data"], "datasets": [{**then, "kept_digest": "0"}]},
                         state["data"]) == f"{corpus}: preprocessing keeps other samples than then"
     assert data_changes(state["data"], state["data"]) == ""
+    two = {"datasets": [then, {**then, "directory": "b", "index": "1"}], "weights": [0.25, 0.75]}
+    assert data_changes(two, {"datasets": two["datasets"][::-1], "weights": [0.75, 0.25]}) == \
+        f"the same datasets in another order ({corpus}, b then, b, {corpus} now); blend " \
+        "weights 0.25, 0.75 then, 0.75, 0.25 now (as shares)"
     allowed = build_loader(str(other), configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
                            state=state, allow_fingerprint_mismatch=True)
     assert (allowed.epoch, allowed.state_dict()["sample_offset"]) == (0, 6)

@@ -865,6 +865,10 @@ def data_changes(then: dict, now: dict) -> str:
     if len(before) != len(after):
         changes.append(f"{len(before)} dataset(s) then ({listed(d['directory'] for d in before)}"
                        f"), {len(after)} now ({listed(d['directory'] for d in after)})")
+    elif [d["index"] for d in before] != [d["index"] for d in after] and \
+            sorted(d["index"] for d in before) == sorted(d["index"] for d in after):
+        order = [listed(d["directory"] for d in datasets) for datasets in (before, after)]
+        changes.append(f"the same datasets in another order ({order[0]} then, {order[1]} now)")
     else:
         for old, new in zip(before, after):
             if old["index"] != new["index"]:
@@ -876,7 +880,11 @@ def data_changes(then: dict, now: dict) -> str:
                                else f"{new['directory']}: preprocessing keeps other samples "
                                "than then")
     if then["weights"] != now["weights"]:
-        changes.append(f"blend weights {then['weights']} then, {now['weights']} now")
+        def said(weights: list[float] | None) -> str:
+            return "none (each dataset by its size)" if weights is None else \
+                listed(f"{w:.3g}" for w in weights)
+        changes.append(f"blend weights {said(then['weights'])} then, {said(now['weights'])} "
+                       "now (as shares)")
     return "; ".join(changes)
 
 
