@@ -173,6 +173,8 @@ def test_a_resume_says_a_pretrained_model_it_does_not_read_and_parts_frozen_from
                                   "encoders": {"audio": {"pretrained": "/models/w"}}}}}
     assert resume_notes(saved, saved["config"]["model"], ["image.encoder"]) == []
     assert resume_notes(saved, saved["config"]["model"], ["image.encoder.x"]) == []
+    assert resume_notes(saved, {**saved["config"]["model"], "pretrained": "/models/a/"},
+                        ["image.encoder"]) == []
     assert resume_notes({}, {"pretrained": "/models/b"}, []) == []
     now = {"pretrained": "/models/b", "freeze": ["image.encoder", "audio"],
            "encoders": {"audio": {"pretrained": "/models/w"}}}

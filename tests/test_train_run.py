@@ -582,8 +582,8 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     (8, 2, 0, "each evaluation runs 2, every validation sample once\n"),
     (8, 2, 4, "each evaluation runs 2, every validation sample once but the 4 the remainder "
               "leaves out (a global batch that divides the kept samples evaluates them all)\n"),
-    (1, 4, 0, "1 step(s) of 6 samples per evaluation, the same each time (1 of the epoch's 4: "
-              "which samples, train.seed and the global batch draw)\n")])
+    (1, 4, 0, "1 step(s) of 6 samples per evaluation, the same each time (1 of the epoch's 4 "
+              "batches: train.seed and the global batch size pick which)\n")])
 def test_the_validation_line_says_which_samples_an_evaluation_counts(monkeypatch, capsys,
                                                                      eval_steps, per_epoch,
                                                                      left_out, said):
@@ -861,7 +861,8 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path
     monkeypatch.setattr(module, "phase", lambda name, done, function, start=None: function())
     monkeypatch.setattr(module, "checkpoint_fit", SimpleNamespace(
         check=lambda *args: {"config": {"model": {"lora": {"language": {"alpha": 8}}}}},
-        check_lora_scale=checkpoint_fit.check_lora_scale))
+        check_lora_scale=checkpoint_fit.check_lora_scale,
+        resume_notes=checkpoint_fit.resume_notes))
     monkeypatch.setattr(module, "checkpoint", SimpleNamespace(
         load=lambda *args: loaded.append(args) or (1, {})))
     trainer = module.Trainer.__new__(module.Trainer)
@@ -891,6 +892,23 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path
     assert said == ["mimo-train: model.init_from a is replaced by the checkpoint resumed from "
                     "(ck/step_0000001): its weights continue the run; to start over from "
                     "init_from, give another checkpoint.dir"]
+    # another pretrained folder and more of the model frozen than the checkpoint's run had:
+    # said, from the run's config as it saves it
+    monkeypatch.setattr(module.checkpoint_fit, "check", lambda *args: {"config": {"model": {
+        "pretrained": "/m/a", "freeze": [], "lora": {"language": {"alpha": 8}}}}})
+    trainer.cfg.to_dict = lambda: {"model": {"pretrained": "/m/b", "freeze": ["image"]}}
+    trainer.cfg.model.init_from, trainer.cfg.model.freeze = None, ["image"]
+    said.clear()
+    trainer._resume("ck/step_0000001")
+    assert [line.split(": ", 2)[:2] for line in said] == [
+        ["mimo-train", "resuming ck/step_0000001"]] * 2
+    assert said[0].endswith("model.pretrained is /m/b here, /m/a when the checkpoint was saved: "
+                            "the checkpoint's weights continue the run (the folder gives the "
+                            "model's config and files, of the same shapes)"), said
+    assert said[1].endswith("model.freeze now holds image, which trained until this "
+                            "checkpoint: frozen from here, their optimizer state dropped (a "
+                            "later resume cannot train them again: model.init_from can)"), said
+    trainer.cfg.to_dict, trainer.cfg.model.freeze = lambda: {"model": {}}, []
     # the run's preprocessing (meta.json's) and this one's: smaller images, longer rows
     from mimo_data.preprocess.config import PreprocessConfig
     path = preprocess_config_file(tmp_path / "pp.yaml")

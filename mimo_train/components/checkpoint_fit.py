@@ -7,6 +7,7 @@ settings, or start a new run from its weights (``model.init_from``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -314,7 +315,8 @@ def resume_notes(meta: dict, settings: dict, freeze: Sequence[str]) -> list[str]
     notes = [f"{key} is {ours[key]} here, {theirs[key]} when the checkpoint was saved: the "
              "checkpoint's weights continue the run (the folder gives the model's config and "
              "files, of the same shapes)" for key in sorted(theirs.keys() & ours.keys())
-             if key.endswith("pretrained") and theirs[key] != ours[key]]
+             if key.rpartition(".")[2] == "pretrained" and _resolved(theirs[key]) !=
+             _resolved(ours[key])]
     then = saved.get("freeze") or []
     added = [part for part in freeze if not any(
         part == old or part.startswith(f"{old}.") for old in then)]
@@ -323,6 +325,12 @@ def resume_notes(meta: dict, settings: dict, freeze: Sequence[str]) -> list[str]
                      "checkpoint: frozen from here, their optimizer state dropped (a later "
                      "resume cannot train them again: model.init_from can)")
     return notes
+
+
+def _resolved(path: Any) -> Any:
+    """A model's path as the file system resolves it (a trailing slash, a link), a hub name or
+    None as it is."""
+    return os.path.realpath(path) if isinstance(path, str) and os.path.isabs(path) else path
 
 
 def _numbered_layers(sharded: list) -> set[str]:

@@ -361,8 +361,8 @@ class Trainer:
                 "the kept samples evaluates them all)" if left_out else "")
             say(f"{PREFIX}train.eval_steps {run.eval_steps} is more than the validation set's "
                 f"{per_epoch} global batch(es) an epoch: each evaluation runs {steps}, {every}")
-        part = f" ({steps} of the epoch's {per_epoch}: which samples, train.seed and the " \
-            "global batch draw)" if steps < per_epoch else ""
+        part = f" ({steps} of the epoch's {per_epoch} batches: train.seed and the global " \
+            "batch size pick which)" if steps < per_epoch else ""
         say(f"{PREFIX}validation set: {summary}; {steps} step(s) of {run.global_batch_size} "
             f"samples per evaluation, the same each time{part}")
         return steps
