@@ -383,6 +383,35 @@ def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, cor
         build_loader(sources["image"], None, layout, 0, 3, GLOBAL_BATCH, 2, 3, state=state)
 
 
+def test_forked_workers_inherit_the_epoch_order_their_rank_made(loader_corpus, configs,
+                                                                tmp_path, monkeypatch):
+    """A rank with DataLoader workers makes the epoch's order once, before starting them:
+    forked, they inherit it (its pages shared) instead of each making its own (about 12 bytes
+    a sample and seconds at 10M samples, a worker); the rank then drops its own reference. A
+    spawned worker is not sent it."""
+    import pickle
+
+    from mimo_data.loading import sample_order
+    made = tmp_path / "made"
+    real = sample_order.SampleOrder.dataset_order
+
+    def recorded(self, *args):
+        with open(made, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        return real(self, *args)
+    monkeypatch.setattr(sample_order.SampleOrder, "dataset_order", recorded)
+    source = DataSource(str(loader_corpus), configs["image"])     # no order made yet
+    loader = build_loader(source, None, "language=dp2;image=dp1", 2, 3, GLOBAL_BATCH, 1, 7,
+                          num_workers=2)
+    next(iter(loader))
+    assert loader.order._cached is None         # the rank keeps no copy once they have it
+    loader.close()
+    assert made.read_text().split() == [str(os.getpid())]
+    order = source.order(7, GLOBAL_BATCH)
+    order.epoch(0)
+    assert order._cached is not None and pickle.loads(pickle.dumps(order))._cached is None
+
+
 def test_a_drop_only_decoding_can_see_is_an_error_not_a_skip(tmp_path, assets, configs):
     records = [{"id": f"r{i}", "image": str(assets["png"]),
                 "conversations": [{"from": "human", "value": "<image>\nWhat is it?"},

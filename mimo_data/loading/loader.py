@@ -726,12 +726,18 @@ class RankLoader:
 
     def _next(self) -> tuple[dict, dict]:
         if self._stream is None:
+            if self._loader_options["num_workers"]:
+                # the epoch's order made here, once: forked workers inherit it (its pages
+                # shared) instead of each making its own (12 bytes a sample, seconds at 10M)
+                self.order.epoch(self.epoch)
             dataset = _RankStream(self.source, self.order, self.role,
                                   self.global_micro_batch_size, self.decode_media,
                                   (self.epoch, self.index), self.split)
             before = set(multiprocessing.active_children())
             self._stream = iter(torch.utils.data.DataLoader(
                 dataset, batch_size=None, collate_fn=_as_is, **self._loader_options))
+            if self._loader_options["num_workers"]:
+                self.order.release()        # the workers hold it now
             # the iterator's workers, started with it (``close`` ends any still alive)
             self._workers = set(multiprocessing.active_children()) - before
         batch, metadata = next(self._stream)

@@ -177,6 +177,14 @@ class SampleOrder:
         self.remainder_samples = abs(self.samples_per_epoch - self.epoch_length)
         self._cached: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
 
+    def __getstate__(self) -> dict:
+        # a spawned worker makes the epoch's order itself, not receive it in a pickle
+        return {**self.__dict__, "_cached": None}
+
+    def release(self) -> None:
+        """Drop the epoch's order made last (a rank whose forked workers hold it)."""
+        self._cached = None
+
     def dataset_order(self, dataset: int, dataset_epoch: int) -> np.ndarray:
         """Kept positions of one dataset in the order of one of its own epochs."""
         shape = self.datasets[dataset]
