@@ -439,10 +439,11 @@ def tar_samples(path) -> list[tuple[str, dict[str, bytes]]]:
     return samples
 
 
-def write_tar(path: Path, members: dict[str, bytes]) -> Path:
-    """A tar at ``path`` (its folder made) holding ``members`` (name -> bytes), in order."""
+def write_tar(path: Path, members: dict[str, bytes], append: bool = False) -> Path:
+    """A tar at ``path`` (its folder made) holding ``members`` (name -> bytes), in order;
+    ``append``: added after the tar's members (``tar rf``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
+    with tarfile.open(path, "a" if append else "w") as tar:
         for name, data in members.items():
             info = tarfile.TarInfo(name)
             info.size = len(data)

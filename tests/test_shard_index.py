@@ -1396,11 +1396,8 @@ def test_a_key_twice_in_one_tar_apart_is_kept_once_and_counted(corpus_photos, tm
     photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
     write_tar(tmp_path / "src" / "a.tar", {"1.jpg": photo, "1.txt": b"First one.",
                                            "2.jpg": photo, "2.txt": b"Second."})
-    with tarfile.open(tmp_path / "src" / "a.tar", "a") as tar:      # 1 again, after 2
-        for name, data in (("1.jpg", photo), ("1.txt", b"Another first.")):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    write_tar(tmp_path / "src" / "a.tar", {"1.jpg": photo, "1.txt": b"Another first."},
+              append=True)                                          # 1 again, after 2
     with contextlib.redirect_stderr(io.StringIO()):
         built = index([str(tmp_path / "src")], str(tmp_path / "idx"),
                       IndexOptions(workers=0, progress=False))
@@ -1421,11 +1418,8 @@ def test_a_key_twice_in_one_tar_apart_is_kept_once_and_counted(corpus_photos, tm
     write_tar(tmp_path / "twice" / "a.tar", {"1.jpg": photo, "1.txt": b"First one.",
                                              "1.TXT": b"Its twin.", "2.jpg": photo,
                                              "2.txt": b"Second."})
-    with tarfile.open(tmp_path / "twice" / "a.tar", "a") as tar:
-        for name, data in (("1.jpg", photo), ("1.txt", b"Another first.")):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    write_tar(tmp_path / "twice" / "a.tar", {"1.jpg": photo, "1.txt": b"Another first."},
+              append=True)
     with contextlib.redirect_stderr(io.StringIO()):
         index([str(tmp_path / "twice")], str(tmp_path / "idx2"),
               IndexOptions(workers=0, progress=False))

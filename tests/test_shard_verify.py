@@ -11,7 +11,7 @@ import tarfile
 import pytest
 
 from conftest import (REPO, build_dataset, cli_main, flip_byte, read_json,
-                      rewrite_samples_parquet, run_cli, samples_table)
+                      rewrite_samples_parquet, run_cli, samples_table, write_tar)
 
 
 @pytest.fixture(scope="module")
@@ -350,10 +350,7 @@ def test_a_member_appended_to_the_last_sample_is_named_as_a_repeated_suffix(caps
     row, _ = _member(dataset, ".jpg")
     shard = dataset / row["shard"]
     last = [r for r in samples_table(dataset) if r["shard"] == row["shard"]][-1]
-    with tarfile.open(shard, "a") as tar:
-        added = tarfile.TarInfo(f"{last['key']}.json")
-        added.size = 2
-        tar.addfile(added, io.BytesIO(b"{}"))
+    write_tar(shard, {f"{last['key']}.json": b"{}"}, append=True)
     err = _verify(capsys, dataset)
     assert f"shard {row['shard']}: member {last['key']}.json repeats a suffix of its sample" \
         in err, err
