@@ -2,7 +2,8 @@
 tensor, no collective: every rank checks in a start-up phase): the same modules, weights of the
 same global shapes, the same global batch size, frozen parts and LoRA adapters and scale. A
 refusal says in config terms what differs and what to do: resume with the checkpoint's
-settings, or start a new run from its weights (``model.init_from``).
+settings, or start a new run from its weights (``model.init_from``); a resume that fits but
+reads its config otherwise than it may seem is said (``resume_notes``).
 """
 
 from __future__ import annotations
