@@ -536,6 +536,22 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
     monkeypatch.setattr(ShardReader, "read_member", lambda self, *member: read.append(member))
     ShardReader(str(tmp_path / "idx"), storage_options=local_s3.storage_options).check_shards()
     assert read == []
+    monkeypatch.undo()
+    # tars on an HTTP server: the version is its ETag (fsspec's HTTP file keeps none: looked
+    # up), and a text byte changed behind it is found the same way
+    from tools.object_store import LocalHTTP
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copy(pairs.src / "pairs-000000.tar", served)
+    with LocalHTTP(served) as http, contextlib.redirect_stderr(io.StringIO()):
+        index([f"{http.url}/pairs-000000.tar"], str(tmp_path / "http-idx"),
+              IndexOptions(workers=0, progress=False))
+        [shard] = json.loads((tmp_path / "http-idx" / "index.json").read_text())["shards"]
+        assert shard["version"].startswith("etag "), shard
+        flip_byte(served / "pairs-000000.tar", offset)
+        with pytest.raises(DatasetError, match=rf"sample {key} member {key}.txt: its bytes "
+                           "changed"):
+            ShardReader(str(tmp_path / "http-idx")).check_shards()
 
 
 @pytest.mark.filterwarnings(FORK_WARNING)       # energon prepare's worker pool

@@ -412,9 +412,12 @@ class _FileHandler(BaseHTTPRequestHandler):
             if self.command != "HEAD":
                 self.wfile.write(body)
             return
-        size = path.stat().st_size
+        stat = path.stat()
+        size = stat.st_size
         start, end, status = 0, size, 200
-        headers = {"Content-Type": "application/octet-stream"}
+        # an ETag of the file's time of writing and size, as nginx makes one
+        headers = {"Content-Type": "application/octet-stream",
+                   "ETag": f'"{stat.st_mtime_ns:x}-{size:x}"'}
         if match := re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "").strip()):
             start = int(match[1])
             end = min(size, int(match[2]) + 1) if match[2] else size

@@ -140,7 +140,7 @@ def index_shard(job: _Job) -> ShardResult:
         head: list[dict[str, bytes]] = []          # the first samples, for the layout's check
         try:
             with open_tar(location, job.storage_options) as tar:
-                result.version = tar_version(tar, location, job.storage_options)
+                result.version = tar_version(tar, location)
                 for sample in walk(tar, result.walked):
                     result.samples += 1
                     if job.first and len(head) < DETECT_SAMPLES:

@@ -520,7 +520,7 @@ def version(entry: dict) -> str | None:
     etag = entry.get("ETag") or entry.get("etag")
     if etag:
         return f"etag {str(etag).strip(chr(34))}"
-    for key in ("LastModified", "mtime", "updated", "last_modified"):
+    for key in ("LastModified", "Last-Modified", "mtime", "updated", "last_modified"):
         when = entry.get(key)
         if isinstance(when, datetime.datetime):
             return f"written {when.timestamp()}"

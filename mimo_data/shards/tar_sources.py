@@ -524,17 +524,15 @@ def say(line: str) -> None:
     print(f"mimo-shard index: {line}", file=sys.stderr, flush=True)
 
 
-def tar_version(tar: Any, location: str, storage_options: dict | None) -> str | None:
+def tar_version(tar: Any, location: str) -> str | None:
     """The version (``storage.version``) of the tar at ``location`` that ``open_tar`` opened
     as ``tar``, as it was opened."""
     details = getattr(tar, "details", None)     # fsspec's file: its lookup's entry
     if details is None:
         return storage.local_version(os.fstat(tar.fileno()))
-    if storage.version(details) is None:        # fsspec's HTTP file keeps size alone
-        details = storage.Remote(location, storage_options).entries(
-            posixpath.dirname(location), [posixpath.basename(location)]).get(
-                posixpath.basename(location), {})
-    return storage.version(details)
+    # fsspec's HTTP file keeps its size alone: the headers from a lookup, on its own client
+    return storage.version(details) or storage.retried(
+        f"looking up {location}", lambda: storage.version(tar.fs.info(location)))
 
 
 def open_tar(location: str, storage_options: dict | None):
