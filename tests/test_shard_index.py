@@ -1958,10 +1958,20 @@ def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path,
     assert code == 2 and "already holds an index of these tars, but 2 of them were written " \
         "again since (dup.tar, pairs-000001.tar): their text may differ from the index's, " \
         "which a run checks at start-up; pass --overwrite to index them again" in err, err
-    # the same bytes at another time of writing (a copy): the text found as indexed
+    # the same bytes at another time of writing (a copy): the text found as indexed, read
+    # once (said), not at the next start-up
     flip_byte(tar, offset)
     os.utime(tar, ns=(later, later))
+    capsys.readouterr()
     ShardReader(str(tmp_path / "idx")).check_shards()
+    said = capsys.readouterr().err
+    assert f"{tmp_path / 'idx'}: 2 tars were written again since their indexing (dup.tar, " \
+        f"pairs-000001.tar; a copy?): reading their {reader.table.shard_sizes()[0]} samples' " \
+        "text to check it against the index's, once" in said, said
+    monkeypatch.setattr(ShardReader, "read_member", lambda self, *member: read.append(member))
+    ShardReader(str(tmp_path / "idx")).check_shards()
+    assert read == [] and "written again" not in capsys.readouterr().err
+    monkeypatch.undo()
     index = json.loads((tmp_path / "idx" / "index.json").read_text())
     for shard in index["shards"]:
         del shard["version"]

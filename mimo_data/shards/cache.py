@@ -53,7 +53,7 @@ def environment_cache() -> str | None:
 @dataclass(frozen=True)
 class Labels:
     """What a derived table is (schema metadata ``mimo.<field>``)."""
-    kind: str                 # "samples", "tokens" or "report"
+    kind: str                 # "samples", "records", "tokens", "report", "checked"
     dataset: str              # the build it was derived from: samples.parquet's sha256
     purpose: str = ""         # what it was computed for besides the code (a preprocessing's
     #                           digest; "" for the sample table): one current table per purpose

@@ -37,7 +37,7 @@ CURRENT = "current"
 class Entry:
     path: str
     size: int
-    kind: str                        # samples, tokens, report, or "?" when unknown
+    kind: str                        # a Labels.kind, or "?" when unknown
     about: str
     status: str                      # CURRENT, or why the file is superseded
 

@@ -29,20 +29,22 @@ import collections
 import hashlib
 import json
 import os
+import sys
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+import pyarrow as pa
 
-from mimo_data.shards import storage
+from mimo_data.shards import cache, storage
 from mimo_data.shards.format import RECORDS_FILE, ShardRecord
 from mimo_data.shards.index import (DatasetError, check_complete, index_bytes, parse_index,
                                     remake, shard_root)
 from mimo_data.shards.record_table import RecordTable
-from mimo_data.shards.sample_table import SampleTable, table_key
+from mimo_data.shards.sample_table import SampleTable, build_digest, table_key
 
-_CHECKED_AT_ONCE = 256             # samples ``_check_text`` prefetches at a time
+_CHECKED_AT_ONCE = 256             # samples ``_check_samples`` prefetches at a time
 MAX_GAP = 256 << 10                # bytes between two spans still fetched as one request
 MAX_RUN = 16 << 20                 # bytes of one request at most
 THREADS = 8                        # requests in flight per reader and process
@@ -55,6 +57,7 @@ class ShardReader:
     def __init__(self, directory: str, cache_dir: str | None = None,
                  storage_options: dict | None = None):
         self.directory = directory
+        self.cache_dir = cache_dir
         self.remote = storage.Remote(directory, storage_options) \
             if storage.is_remote(directory) else None
         data = index_bytes(directory, storage_options)
@@ -105,17 +108,44 @@ class ShardReader:
             raise DatasetError(f"{self.shard_root}: shard {'; '.join(problems[:3])}{more}: run "
                                f"`mimo-shard verify {self.directory}`, then restore the shards "
                                f"or {remake(self.index)}")
-        self._check_text(storage.rewritten(self.index["shards"], found))
+        self._check_text({name: found[name][1] for name in
+                          storage.rewritten(self.index["shards"], found)})
 
-    def _check_text(self, shards: list[str]) -> None:
-        """Read every member but the media of each sample of ``shards`` (tars written again
-        since their indexing, at the same size: a caption edited, or only copied), checked
-        against its crc32 (``read_member``: DatasetError naming the sample and member that
-        changed): the text a run reads from the index is the tars' (their media are checked
-        as they are read)."""
-        wanted = set(shards)        # (a tar of no kept sample has no id in the table)
-        ids = [i for i, name in enumerate(self.table.shard_names) if name in wanted]
-        positions = np.flatnonzero(np.isin(self.table.shard_ids, ids)).tolist()
+    def _check_text(self, versions: dict[str, str | None]) -> None:
+        """Read every member but the media of each sample of the tars ``versions`` names
+        (written again since their indexing, at the same size: a caption edited, or only
+        copied), checked against its crc32 (``read_member``: DatasetError naming the sample and
+        member that changed): the text a run reads from the index is the tars'. The media are
+        checked as they are read. A check passed is kept in the cache as a table of the tars
+        and versions it read (``checked-KEY.arrow``): a copy is read once, not at every
+        start-up."""
+        if not versions:
+            return
+        key = hashlib.sha256(json.dumps([self.index_digest.hex(), self.shard_root,
+                                         sorted(versions.items())]).encode()).hexdigest()
+        labels = cache.Labels("checked", build_digest(self.index, self.directory, self.remote),
+                              about=f"{len(versions)} tars' text read since their indexing")
+
+        def check(path: str) -> None:
+            wanted = set(versions)      # (a tar of no kept sample has no id in the table)
+            ids = [i for i, name in enumerate(self.table.shard_names) if name in wanted]
+            positions = np.flatnonzero(np.isin(self.table.shard_ids, ids)).tolist()
+            named = ", ".join(sorted(versions)[:3]) + (
+                f" and {len(versions) - 3} more" if len(versions) > 3 else "")
+            if positions:
+                tars = f"{len(versions)} tars were" if len(versions) > 1 else "1 tar was"
+                print(f"mimo: {self.directory}: {tars} written again since their indexing "
+                      f"({named}; a copy?): reading their {len(positions)} "
+                      "samples' text to check it against the index's, once", file=sys.stderr,
+                      flush=True)
+            self._check_samples(positions)
+            cache.write_table(path, pa.table({"tar": list(versions), "version": list(
+                versions.values())}), key, labels)
+        cache.obtain(self.directory, f"checked-{key[:16]}.arrow", key, labels, check,
+                     self.cache_dir)
+
+    def _check_samples(self, positions: list[int]) -> None:
+        """Every member but the media of the samples at ``positions``, read and checked."""
         for start in range(0, len(positions), _CHECKED_AT_ONCE):
             chunk = positions[start:start + _CHECKED_AT_ONCE]
             media = [{item["member"] for item in self.record(p)["media"]} for p in chunk]
