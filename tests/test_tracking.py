@@ -66,10 +66,14 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
                      for item in record.history.item}
             history[items["_step"]] = items
     train = {r["step"]: r for r in records if "loss" in r}
-    # every step's scalars, not only the logging steps' (2, 4 and 3, shown by its evaluation)
+    # every step's scalars, not only the logging steps' (2, 4 and 3, shown by its evaluation);
+    # the evaluations at the interval's multiple and at the last step (the weights the run
+    # ends with)
     assert sorted(history) == [1, 2, 3, 4]
-    (evaluation,) = [r for r in records if "eval_loss" in r]
-    assert history[3]["eval_loss"] == pytest.approx(evaluation["eval_loss"], rel=1e-12)
+    evaluations = {r["step"]: r for r in records if "eval_loss" in r}
+    assert sorted(evaluations) == [3, 4], records
+    for step, evaluation in evaluations.items():
+        assert history[step]["eval_loss"] == pytest.approx(evaluation["eval_loss"], rel=1e-12)
     for step, items in history.items():
         assert items["train/loss"] == pytest.approx(train[step]["loss"], rel=1e-12)
         assert items["train/tokens"] == train[step]["tokens"]
@@ -85,7 +89,7 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
         assert train[step]["data_wait_s"] != train[step]["memory_mib"]
     lines = [line for line in output.splitlines() if line.startswith(("step ", "eval "))]
     assert [line.split(":")[0] for line in lines] == [
-        "step    2", "step    3", "eval step 3", "step    4"], lines
+        "step    2", "step    3", "eval step 3", "step    4", "eval step 4"], lines
     lines = [line for line in lines if line.startswith("step ")]
     # step 2's line: its own loss, then the interval's per trained token
     interval = (train[1]["loss"] * train[1]["tokens"] + train[2]["loss"] * train[2]["tokens"]) \

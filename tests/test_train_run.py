@@ -606,21 +606,6 @@ def test_the_validation_line_says_which_samples_an_evaluation_counts(monkeypatch
     assert ("every validation sample once" in output) == (eval_steps > per_epoch), output
 
 
-def test_an_eval_interval_that_holds_none_of_the_runs_steps_is_said():
-    """``train.eval_interval`` beyond the steps a run trains (all of them, or those left after
-    a resume) would evaluate nothing without a word: start-up says so; where one step of the
-    run is a multiple of it, or evaluation is off, nothing is said."""
-    from mimo_train.training.trainer import no_evaluation
-    assert no_evaluation(10, 0, 2) == ("train.eval_interval 10 holds none of this run's steps "
-                                       "1-2: no evaluation runs (evaluations come at the steps "
-                                       "that are multiples of it)")
-    assert no_evaluation(10, 11, 19) == ("train.eval_interval 10 holds none of this run's "
-                                         "steps 12-19: no evaluation runs (evaluations come at "
-                                         "the steps that are multiples of it)")
-    assert [no_evaluation(*case) for case in ((10, 0, 10), (10, 9, 12), (3, 0, 4), (0, 0, 5))] \
-        == [None] * 4
-
-
 @pytest.mark.parametrize("during", ["SIGTERM", "deadline"])
 def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys, during):
     """An exit signal that comes while a step's checkpoint is saved, or the run's time limit

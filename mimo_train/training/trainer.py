@@ -458,8 +458,6 @@ class Trainer:
         say(f"{PREFIX}layout {self.layout} on {self.world} rank(s), device "
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
             f"{run.micro_batch_size} per language DP rank per step")
-        if note := no_evaluation(run.eval_interval, self.step, run.steps):
-            say(f"{PREFIX}{note}")
         iterator = self.batches(self.loader, self.cfg.data.datasets)
         with ExitSignals(run.exit_signals, self.deadline) as signals, self.profile:
             while self.step < run.steps:
@@ -483,7 +481,10 @@ class Trainer:
                 stop = bool(self.stopped_by) or late or (
                     bool(run.exit_interval) and self.step % run.exit_interval == 0)
                 last = self.step == run.steps
-                evaluating = bool(run.eval_interval) and self.step % run.eval_interval == 0
+                # at the multiples of the interval and at the last step: the weights a run
+                # ends with (those exported) are evaluated, as Megatron-LM's are
+                evaluating = bool(run.eval_interval) and (
+                    last or self.step % run.eval_interval == 0)
                 saving = self.saver is not None and (
                     last or stop or bool(every and self.step % every == 0))
                 # what follows needs this step's outcome (its learning rates, its record, its
@@ -734,16 +735,6 @@ class Trainer:
         background = self.saver is not None and self.saver.queue is not None
         for directory in directories:
             say(f"{PREFIX}checkpoint {directory}" + (" complete" if background else ""))
-
-
-def no_evaluation(eval_interval: int, start: int, steps: int) -> str | None:
-    """What to say where ``train.eval_interval`` (0: off) puts no evaluation among a run's
-    steps ``start + 1 .. steps``; None where it puts one or is off."""
-    if not eval_interval or steps // eval_interval > start // eval_interval:
-        return None
-    return (f"train.eval_interval {eval_interval} holds none of this run's steps "
-            f"{start + 1}-{steps}: no evaluation runs (evaluations come at the steps that are "
-            "multiples of it)")
 
 
 def train(plan: RunPlan, records: str | None = None) -> Trainer:
