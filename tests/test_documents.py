@@ -7,6 +7,7 @@ trains on documents)."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 import math
@@ -251,8 +252,9 @@ def test_the_caption_and_document_settings_are_checked():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, corpus):
-    """Documents and captions from JSONL and an OBELICS-shaped Parquet (images as paths and as
-    HF {bytes, path} structs), with bad records of each kind, built in process."""
+    """Documents and captions from JSONL, an OBELICS-shaped Parquet (images as paths and as
+    HF {bytes, path} structs) and MMC4's JSONL (images as files and embedded as OpenFlamingo's
+    shards hold them), with bad records of each kind, built in process."""
     root = tmp_path_factory.mktemp("documents")
     for name in ("chelsea.jpg", "astronaut.jpg"):
         shutil.copy(corpus / "images" / name, root / name)
@@ -282,8 +284,23 @@ def built(tmp_path_factory, corpus):
                            ["Emptied pieces around it:", "", " \n", None, None]]),
         "metadata": pa.array(["{}", "{}", "{}"]),
     }), root / "obelics.parquet")
+    # MMC4's records as published: each image before the sentence it is matched to
+    write_jsonl(root / "mmc4.jsonl", [
+        {"url": "https://example.com/a", "text_list": ["A cat.", "It sleeps.", "The end."],
+         "image_info": [{"image_name": "chelsea.jpg", "raw_url": "https://example.com/c.jpg",
+                         "matched_text_index": 1, "matched_sim": 0.31},
+                        {"image_name": "astronaut.jpg", "raw_url": "https://example.com/a.jpg",
+                         "matched_text_index": 1, "matched_sim": 0.22},
+                        {"image_name": "m.jpg", "matched_text_index": 0, "matched_sim": 0.27,
+                         "image_base64": base64.b64encode(chelsea).decode()}],
+         "similarity_matrix": [[0.1, 0.31, 0.0], [0.0, 0.22, 0.1], [0.27, 0.0, 0.0]]},
+        {"url": "u", "text_list": ["One.", "Two."],                   # no sentence 2
+         "image_info": [{"image_name": "chelsea.jpg", "matched_text_index": 2}]},
+        {"url": "u", "text_list": ["Unfetched."],                     # its image never fetched
+         "image_info": [{"image_name": "gone.jpg", "matched_text_index": 0}]},
+    ])
     out = root / "dataset"
-    build_dataset([root / "mixed.jsonl", root / "obelics.parquet"], out)
+    build_dataset([root / "mixed.jsonl", root / "obelics.parquet", root / "mmc4.jsonl"], out)
     return out
 
 
@@ -292,23 +309,42 @@ def test_build_writes_documents_and_captions_and_counts_the_bad_ones(built):
     assert [(r.get("kind"), r["text"]) for r in records] == [
         ("document", "A cat:\n<image>\nIt sleeps."), ("caption", "An astronaut."),
         ("document", "Intro.\n<image>\nOutro."), ("document", "Only text then\n<image>"),
-        ("document", "Emptied pieces around it:\n<image>")]
+        ("document", "Emptied pieces around it:\n<image>"),
+        ("document", "<image>\nA cat.\n<image>\n<image>\nIt sleeps.\nThe end.")]
     assert all("messages" not in r for r in records)
     assert [[m["path"] for m in r["media"]] for r in records] == [
-        ["chelsea.jpg"], ["astronaut.jpg"], ["c.jpg"], ["astronaut.jpg"], ["e.jpg"]]
+        ["chelsea.jpg"], ["astronaut.jpg"], ["c.jpg"], ["astronaut.jpg"], ["e.jpg"],
+        ["m.jpg", "chelsea.jpg", "astronaut.jpg"]]
+    # MMC4's images as their files' bytes, the embedded one as its base64's
+    photos = {name: (built.parent / name).read_bytes() for name in ("chelsea.jpg",
+                                                                     "astronaut.jpg")}
+    reader = ShardReader(str(built))
+    mmc4 = reader.media(5, records[5])
+    assert [mmc4[m["member"]] for m in records[5]["media"]] == [
+        photos["chelsea.jpg"], photos["chelsea.jpg"], photos["astronaut.jpg"]]
     report = read_json(built / "report.json")
-    assert report["records_read"] == 14 and report["samples_written"] == 5
+    assert report["records_read"] == 17 and report["samples_written"] == 6
     assert {reason: data["count"] for reason, data in report["skipped_by_reason"].items()} == {
-        "empty_document": 2, "malformed_record": 3, "marker_mismatch": 1, "missing_media": 1,
+        "empty_document": 2, "malformed_record": 4, "marker_mismatch": 1, "missing_media": 2,
         "empty_caption": 1, "invalid_utf8": 1}
+    [malformed] = [skip for skip in report["skipped_by_reason"]["malformed_record"]["first"]
+                   if skip["location"].endswith("mmc4.jsonl:2")]
+    assert malformed["detail"] == ("MMC4 image 0 (chelsea.jpg) has matched_text_index 2, not "
+                                   "the index of one of its 2 sentences"), malformed
     assert report["skipped_by_reason"]["invalid_utf8"]["first"][0]["location"].endswith(
         "mixed.jsonl:11")
-    # a document's image it cannot read skips the document: how to keep the rest is said
-    [missing] = report["skipped_by_reason"]["missing_media"]["first"]
+    # a document's image it cannot read skips the document: how to keep the rest is said, as
+    # the document's form has it
+    missing, unfetched = report["skipped_by_reason"]["missing_media"]["first"]
     assert missing["detail"].endswith("absent.jpg: not found (paths are relative to the "
                                       "input file's folder, or to --media-root); the whole "
                                       "document is skipped: to keep the rest, set that image "
                                       "to null in the record's 'images' list"), missing
+    assert unfetched["location"].endswith("mmc4.jsonl:3") and unfetched["detail"].endswith(
+        "gone.jpg: not found (paths are relative to the input file's folder, or to "
+        "--media-root); the whole document is skipped: to keep the rest, remove that image "
+        "from the record's 'image_info' (MMC4's images that could not be fetched are left "
+        "out so)"), unfetched
 
 
 def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):
@@ -316,7 +352,7 @@ def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):
     reader = ShardReader(str(built))
     tally = Tally()
     full = list(preprocess_dataset(reader, _preprocessor(encoders, with_media=True), tally))
-    assert tally.kept == 5
+    assert tally.kept == 6
     table = token_table.TokenTable(token_table.compute(reader, _preprocessor(encoders)),
                                    list(config.modalities))
     assert table.tokens.tolist() == [len(s.input_ids) for s in full]
@@ -327,17 +363,17 @@ def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):
     report = build_report(str(built), inspector, Thresholds(), progress=False, reuse=False)
     assert report["kinds"] == {
         "caption": {"trains_as": "caption (plain)", "samples": 1, "kept": 1},
-        "document": {"trains_as": "document", "samples": 4, "kept": 4}}
+        "document": {"trains_as": "document", "samples": 5, "kept": 5}}
     # the build's skipped records fail the report, which names them by reason, and nothing
     # else does
     assert [c["name"] for c in report["checks"] if not c["passed"]] == ["skipped_records"]
     assert report["checks"][0]["by_reason"] == {
-        "empty_caption": 1, "empty_document": 2, "invalid_utf8": 1, "malformed_record": 3,
-        "marker_mismatch": 1, "missing_media": 1}
+        "empty_caption": 1, "empty_document": 2, "invalid_utf8": 1, "malformed_record": 4,
+        "marker_mismatch": 1, "missing_media": 2}
     report = build_report(str(built), inspector, Thresholds(max_skipped_records_fraction=0.7),
                           progress=False, reuse=False)
     assert report["passed"], format_report(report)
-    assert "kinds       caption 1 (1 kept) as caption (plain), document 4 (4 kept)" in \
+    assert "kinds       caption 1 (1 kept) as caption (plain), document 5 (5 kept)" in \
         format_report(report)
     # a few samples a minute read as such, not as 0 samples/s
     assert " 0.31 samples/s overall" in format_report({**report, "samples_per_second": 0.3125})
@@ -366,11 +402,11 @@ def test_a_record_of_an_unknown_kind_is_a_counted_drop(encoders):
 
 def test_one_training_step_on_documents_and_captions(built, encoders, ranks, tmp_path):
     """The tiny images + language model's first step on the built dataset (a global batch of
-    its five samples): a finite loss over exactly their trained tokens."""
+    its six samples): a finite loss over exactly their trained tokens."""
     records = runs.train(ranks, tmp_path, "documents", "images_language_colocated.yaml",
                          f"data.datasets=[{built}]", "layout=language=dp1;image=dp1,off0",
-                         "train.steps=1", "train.global_batch_size=5",
-                         "train.micro_batch_size=5", f"checkpoint.dir={tmp_path / 'ck'}",
+                         "train.steps=1", "train.global_batch_size=6",
+                         "train.micro_batch_size=6", f"checkpoint.dir={tmp_path / 'ck'}",
                          nproc=1)
     [record] = runs.train_records(records)
     reader = ShardReader(str(built))

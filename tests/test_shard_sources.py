@@ -494,14 +494,12 @@ def test_speech_manifest_lines_become_asr_samples(capsys, tmp_path, corpus, inst
 
 def test_a_record_of_no_form_mimo_reads_says_what_it_is(tmp_path, corpus):
     """A speech manifest saved as one JSON list (not NeMo's JSONL) is named as such; a record
-    of another form lists its keys and the forms mimo reads (MMC4's: how to write it)."""
+    of another form lists its keys and the forms mimo reads."""
     line = _manifest_lines(corpus)[0]
     records = [{"id": "chat", "conversations": [{"from": "human", "value": "Hi."},
                                                {"from": "gpt", "value": "Hello."}]},
                {**line, "audio_filepath": str(corpus / line["audio_filepath"])},
-               {"instruction": "Add.", "input": "1+1", "output": "2"}, None,
-               {"url": "https://example.com", "text_list": ["A cat.", "It sleeps."],
-                "image_info": [{"image_name": "cat.jpg", "matched_text_index": 0}]}]
+               {"instruction": "Add.", "input": "1+1", "output": "2"}, None]
     (tmp_path / "mixed.json").write_text(json.dumps(records))
     build_dataset([tmp_path / "mixed.json"], tmp_path / "out")
     details = [entry["detail"] for entry in read_json(tmp_path / "out" / "report.json")[
@@ -512,11 +510,9 @@ def test_a_record_of_no_form_mimo_reads_says_what_it_is(tmp_path, corpus):
                                  "records alone")
     assert details[1].startswith("no conversation: the record has the keys 'input', "
                                  "'instruction', 'output', and mimo reads 'messages' or")
-    assert "MMC4" not in details[1]             # MMC4's form: how to write it as a document
-    assert details[2].endswith("video QA's q/a; MMC4's text_list and image_info: 'texts' with "
-                               "each sentence, a null before it for each image whose "
-                               "matched_text_index it is, and 'images' parallel: the image's "
-                               "file at those nulls)"), details[2]
+    assert details[1].endswith("a 'texts' document or MMC4's 'text_list' and 'image_info': "
+                               "convert other forms first (alpaca's instruction/input/output, "
+                               "query/response, video QA's q/a)"), details[1]
     (null,) = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"][
         "malformed_json"]["first"]
     assert null["detail"] == "record is a JSON null, expected an object", null

@@ -610,6 +610,48 @@ def normalize_document(texts, images) -> tuple[str, list]:
     return DOCUMENT_JOIN.join(pieces), refs
 
 
+def mmc4_document(text_list, image_info) -> tuple[list, list]:
+    """An MMC4 document (``text_list``: its sentences; ``image_info``: its images, each with
+    ``image_name``, its file, ``matched_text_index``, the sentence CLIP matched it to, and
+    where OpenFlamingo's shards embed it, ``image_base64``) as the parallel ``texts`` and
+    ``images`` of ``normalize_document``: each image just before the sentence it is matched
+    to, as OpenFlamingo places them (several matched to one sentence in their order in
+    ``image_info``). Every image is kept, whatever its ``matched_sim``.
+
+    RecordError ``malformed_record`` naming the sentence or image that is not of that form.
+    """
+    if not isinstance(text_list, list):
+        raise RecordError("malformed_record", f"MMC4's 'text_list' is a {json_type(text_list)}"
+                          ", not a list of sentences")
+    for i, sentence in enumerate(text_list):
+        if not isinstance(sentence, str):
+            raise RecordError("malformed_record", f"MMC4 sentence {i} is a "
+                              f"{json_type(sentence)}, not a string")
+    if not isinstance(image_info, list):
+        raise RecordError("malformed_record", f"MMC4's 'image_info' is a "
+                          f"{json_type(image_info)}, not a list of images")
+    before: list[list] = [[] for _ in text_list]
+    for j, info in enumerate(image_info):
+        name = info.get("image_name") if isinstance(info, dict) else None
+        if not isinstance(name, str) or not name:
+            raise RecordError("malformed_record", f"MMC4 image {j} has no 'image_name' (its "
+                              "file's name)")
+        index = info.get("matched_text_index")
+        if not isinstance(index, int) or isinstance(index, bool) or \
+                not 0 <= index < len(text_list):
+            raise RecordError("malformed_record", f"MMC4 image {j} ({name}) has "
+                              f"matched_text_index {index!r}, not the index of one of its "
+                              f"{len(text_list)} sentences")
+        embedded = info.get("image_base64")
+        before[index].append({"bytes": embedded, "path": name} if embedded else name)
+    texts: list = []
+    images: list = []
+    for sentence, matched in zip(text_list, before):
+        texts += [None] * len(matched) + [sentence]
+        images += [*matched, None]
+    return texts, images
+
+
 def _no_image(image) -> bool:
     """A document's image position that holds none: null, "", or a struct of nulls (an HF
     ``Image`` column's null after a pandas round trip: ``{bytes: None, path: None}``)."""

@@ -30,7 +30,8 @@ from mimo_data.files import not_found
 from mimo_data.shards import storage
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.records import (PART_MODALITIES, RecordError, as_turns,
-                                      conversation_turns, json_type, tool_lists)
+                                      conversation_turns, json_type, mmc4_document,
+                                      tool_lists)
 
 
 class SourceError(Exception):
@@ -73,6 +74,7 @@ class RawRecord:
     tools: object = None
     system: object = None
     objects: object = None        # ms-swift's grounding objects, where the record has them
+    form: str = ""                # a document's published form other than texts/images: mmc4
 
 
 def media_field(modality: str) -> str:
@@ -415,6 +417,10 @@ class ConversationFile:
                                   "caption pair; give each its own record")
             return RawRecord(id=_record_id(record.get("id")), turns=None, kind="document",
                              text=record["texts"], media={"image": record.get("images")})
+        elif turns is None and "text_list" in record and "image_info" in record:
+            texts, images = mmc4_document(record["text_list"], record["image_info"])
+            return RawRecord(id=_record_id(record.get("id")), turns=None, kind="document",
+                             text=texts, media={"image": images}, form="mmc4")
         media = {name: _media_items(record.get(media_field(name)), record.get(name),
                                     "the record", name) for name in MODALITIES}
         unread = _unread_media_names(record, {*MODALITIES, *map(media_field, MODALITIES)})
@@ -442,12 +448,9 @@ class ConversationFile:
                               f"{listed(map(repr, sorted(record)[:12]))}, and mimo reads "
                               "'messages' or "
                               "'conversations' (role/content or from/value turns), a 'caption' "
-                              "pair or a 'texts' document: convert other forms first (alpaca's "
-                              "instruction/input/output, query/response, video QA's q/a" + (
-                                  "; MMC4's text_list and image_info: 'texts' with each "
-                                  "sentence, a null before it for each image whose "
-                                  "matched_text_index it is, and 'images' parallel: the image's "
-                                  "file at those nulls" if "text_list" in record else "") + ")")
+                              "pair, a 'texts' document or MMC4's 'text_list' and "
+                              "'image_info': convert other forms first (alpaca's "
+                              "instruction/input/output, query/response, video QA's q/a)")
         _refuse_preference(record, turns)
         key = "conversations" if record.get("conversations") is not None else "messages"
         turns = exchanges(as_turns(turns, f"its {key!r}"), media)

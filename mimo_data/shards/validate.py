@@ -301,9 +301,13 @@ def _clip_of(frames: str | list[str], fps: float) -> bytes:
             from None
 
 
-# A document is one sample: one image it cannot read skips all of it; how to keep the rest.
-DOCUMENT_MEDIA_REMEDY = ("the whole document is skipped: to keep the rest, set that image to "
-                         "null in the record's 'images' list")
+# A document is one sample: one image it cannot read skips all of it; how to keep the rest
+# (by the document's form: texts/images, or MMC4's).
+DOCUMENT_MEDIA_REMEDY = {"": "the whole document is skipped: to keep the rest, set that image "
+                             "to null in the record's 'images' list",
+                         "mmc4": "the whole document is skipped: to keep the rest, remove that "
+                                 "image from the record's 'image_info' (MMC4's images that "
+                                 "could not be fetched are left out so)"}
 
 
 def _where(modality: str, index: int, path: str | None) -> str:
@@ -347,7 +351,8 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             except RecordError as exc:
                 if raw.kind != "document":
                     raise
-                raise RecordError(exc.reason, f"{exc.detail}; {DOCUMENT_MEDIA_REMEDY}") from None
+                raise RecordError(exc.reason, f"{exc.detail}; "
+                                  f"{DOCUMENT_MEDIA_REMEDY[raw.form]}") from None
             if from_frames:
                 counts[VIDEOS_FROM_FRAMES] = counts.get(VIDEOS_FROM_FRAMES, 0) + 1
             if meta.get("rotation"):
