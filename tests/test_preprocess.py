@@ -916,6 +916,12 @@ def test_chat_template_takes_a_template_or_one_the_tokenizer_names(tmp_path):
                        r"\{ in it\), a template file, nor a template the tokenizer names "
                        r"\(default, plain\)"):
         chat_template(wrong, load_tokenizer(wrong))
+    # a template Jinja cannot read: a config error (exit 2) naming it, not a traceback
+    from mimo_data.preprocess.chat_render import ChatRenderer
+    broken = dataclasses.replace(config, chat_template=plain[:-len("{% endfor %}")] + "}")
+    with pytest.raises(ConfigError, match=r"^the configured chat_template is not a template "
+                       r"Jinja reads \(TemplateSyntaxError line 1: .*\): mend it"):
+        ChatRenderer(broken, load_tokenizer(broken))
 
 
 def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant(tmp_path):

@@ -35,9 +35,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import jinja2
 from transformers.utils.chat_template_utils import (_compile_jinja_template,
                                                    render_jinja_template)
 
+from mimo_data.errors import ConfigError
 from mimo_data.modalities import MARKERS
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.end_of_turn import (EosAppending, answer_endings, caption_appending,
@@ -126,7 +128,18 @@ class ChatRenderer:
             self.template_kwargs = dict(tokenizer.special_tokens_map)
             # transformers' own compiled (cached) template: render_jinja_template's per-call
             # conversion of the messages costs a third of each render; ours are plain dicts.
-            self._compiled = _compile_jinja_template(template)
+            try:
+                self._compiled = _compile_jinja_template(template)
+            except jinja2.TemplateError as exc:
+                where = f" line {exc.lineno}" if isinstance(
+                    exc, jinja2.TemplateSyntaxError) else ""
+                raise ConfigError(
+                    ("the configured chat_template" if config.chat_template else
+                     f"tokenizer {config.tokenizer!r}'s chat template") +
+                    f" is not a template Jinja reads ({type(exc).__name__}{where}: {exc}): "
+                    "mend it (a {% generation %} block must open and close within the same "
+                    "{% if %} or {% for %} branch), or leave chat_template out to use the "
+                    "tokenizer's own") from None
             self._skeletons: dict[tuple[str, ...], _Skeleton | None] = {}
             # Proven from the template's syntax: a conversation's text is its skeleton filled
             # with the contents, so jinja runs once per role shape instead of once per sample.
