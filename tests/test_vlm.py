@@ -678,7 +678,7 @@ def test_wrap_tokens_must_be_two_the_tokenizer_has(vlm_data):
         TextEncoder(unknown)
 
 
-def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data):
+def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data, tmp_path):
     from mimo_train.errors import EncoderBuildError
     from mimo_train.families.qwen2_vl import Qwen2VLVision
     _, preprocess, _ = vlm_data
@@ -688,6 +688,32 @@ def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data):
                        match="the image processor saved in .* preprocesses differently: "
                              "image_mean"):
         Qwen2VLVision(other, 0, 0, 0, pretrained=str(VLM))
+    # refused before any tower is built: by the run's plan, as mimo-train's start-up and
+    # mimo-inspect plan --model check it; a Whisper encoder's sampling rate likewise
+    import yaml
+
+    from mimo_train.families.registry import ENCODERS
+    from mimo_train.plan.encoders import check_processors
+    config = PreprocessConfig.from_yaml(str(preprocess))
+    written = tmp_path / "other.yaml"
+    written.write_text(yaml.safe_dump(dataclasses.replace(
+        config, modalities={**config.modalities, "image": other}).to_dict()))
+    plans = [resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
+                                             f"data.preprocess={given}",
+                                             "layout=image=dp1;language=dp1"]))
+             for given in (preprocess, written)]
+    check_processors(plans[0].encoders)
+    with pytest.raises(TrainConfigError, match=r"^encoder module 'image': the image processor "
+                       r"saved in .* preprocesses differently: image_mean \[0\.48"):
+        check_processors(plans[1].encoders)
+    audio = PreprocessConfig.from_yaml(str(REPO / "configs" / "preprocess_audio.yaml")
+                                       ).modalities["audio"]
+    whisper = str(REPO / "assets" / "models" / "tiny-whisper")
+    ENCODERS["whisper"].check_processor(whisper, audio)
+    with pytest.raises(EncoderBuildError, match=r"preprocesses differently: sampling_rate 16000 "
+                       r"\(ours: modalities.audio.sample_rate 8000\)"):
+        ENCODERS["whisper"].check_processor(whisper, dataclasses.replace(audio,
+                                                                         sample_rate=8000))
 
 
 def test_a_tp_size_the_heads_cannot_split_into_is_refused(vlm_data):

@@ -73,6 +73,12 @@ class Encoder(torch.nn.Module):
         """The width of the rows it emits (``output_size`` but with deepstack features)."""
         return self.output_size
 
+    @classmethod
+    def check_processor(cls, pretrained: str | None, modality_config) -> None:
+        """EncoderBuildError where the processor saved beside the checkpoint ``pretrained``
+        preprocesses otherwise than ``modality_config`` (``check_preprocessor``): called when
+        the encoder is built, and by the run's start-up checks before (``check_fit``)."""
+
     def take_also(self, modality: str, modality_config) -> None:
         """Serve ``modality`` (one of ``also_takes``) as preprocessed by ``modality_config``
         (EncoderBuildError if its geometry cannot give the preprocessor's token counts)."""

@@ -116,6 +116,12 @@ class LlavaVision(Encoder):
         tower.post_layernorm = torch.nn.Identity()
         return tower
 
+    @classmethod
+    def check_processor(cls, pretrained: str | None, modality_config) -> None:
+        if pretrained:
+            check_preprocessor(pretrained, normalization(modality_config))
+            check_resize(pretrained, modality_config)
+
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | VLM | None = None):
         super().__init__()
@@ -130,8 +136,7 @@ class LlavaVision(Encoder):
         vlm.load_tower(self.model)
         check_fixed_geometry(vision.image_size, vision.patch_size, image,
                              f"the vision tower of {pretrained}")
-        check_preprocessor(pretrained, normalization(image))
-        check_resize(pretrained, image)
+        self.check_processor(pretrained, image)
         self.image = image
         self.drop_cls = config.vision_feature_select_strategy == "default"
         self.output_size = self.pretrained_output_size(config)

@@ -123,6 +123,10 @@ class Qwen2VLVision(Encoder):
             patch_size=image.patch_size, spatial_merge_size=image.merge_size,
             temporal_patch_size=image.temporal_patch_size)
 
+    @classmethod
+    def check_processor(cls, pretrained: str | None, modality_config) -> None:
+        check_preprocessor(pretrained, normalization(modality_config))
+
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | VLM | None = None):
         super().__init__()
@@ -147,7 +151,7 @@ class Qwen2VLVision(Encoder):
                                     "preprocessing config "
                                     f"{ {k: b for k, (_, b) in wrong.items()} }"
                                     ": the token counts would not match; align modalities.image")
-        check_preprocessor(pretrained, normalization(image))
+        self.check_processor(pretrained, image)
         self.image = image
         self.output_size = getattr(config, "out_hidden_size", None) or config.hidden_size
 

@@ -43,6 +43,10 @@ class SiglipVision(Encoder):
         vision.vision_use_head = False
         return SiglipVisionModel._from_config(vision, dtype=dtype or vision.dtype)
 
+    @classmethod
+    def check_processor(cls, pretrained: str | None, modality_config) -> None:
+        check_preprocessor(pretrained, normalization(modality_config))
+
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | None = None):
         super().__init__()
@@ -57,7 +61,7 @@ class SiglipVision(Encoder):
         config = self.model.config
         check_fixed_geometry(config.image_size, config.patch_size, image,
                              f"vision encoder {pretrained or ''}")
-        check_preprocessor(pretrained, normalization(image))
+        self.check_processor(pretrained, image)
         self.image = image
         self.output_size = config.hidden_size
 

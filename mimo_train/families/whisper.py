@@ -67,6 +67,14 @@ class WhisperAudio(Encoder):
         tower = WhisperEncoder(config)
         return tower if dtype is None else tower.to(dtype)
 
+    @classmethod
+    def check_processor(cls, pretrained: str | None, modality_config) -> None:
+        check_preprocessor(pretrained, {
+            "feature_size": ("modalities.audio.n_mels", modality_config.n_mels),
+            "sampling_rate": ("modalities.audio.sample_rate", modality_config.sample_rate),
+            "hop_length": ("modalities.audio.hop_length", modality_config.hop_length),
+            "n_fft": ("the log-mel window", WHISPER_N_FFT)}, part="audio")
+
     def __init__(self, audio: AudioConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | None = None):
         super().__init__()
@@ -94,11 +102,7 @@ class WhisperAudio(Encoder):
                 f"{2 * config.max_source_positions} frames; the preprocessing config gives "
                 f"{audio.n_mels} bins and up to {frames} frames (max_duration "
                 f"{audio.max_duration}s): align modalities.audio")
-        check_preprocessor(pretrained, {
-            "feature_size": ("modalities.audio.n_mels", audio.n_mels),
-            "sampling_rate": ("modalities.audio.sample_rate", audio.sample_rate),
-            "hop_length": ("modalities.audio.hop_length", audio.hop_length),
-            "n_fft": ("the log-mel window", WHISPER_N_FFT)}, part="audio")
+        self.check_processor(pretrained, audio)
         self.audio = audio
         self.window = 2 * config.max_source_positions
         self.output_size = config.d_model

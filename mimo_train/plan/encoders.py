@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from mimo_data.errors import listed
 from mimo_data.loading.layout import Layout, LayoutError
 from mimo_train.config import ENCODER_DEFAULTS, EncoderConfig, TrainConfig
-from mimo_train.errors import TrainConfigError
+from mimo_train.errors import EncoderBuildError, TrainConfigError
 from mimo_train.families.base import VLM, input_form
 from mimo_train.families.registry import ENCODERS, OWN_MODALITIES, checkpoint_config, default_kind
 
@@ -52,6 +52,17 @@ def tower_dims(spec: EncoderConfig) -> tuple[int, int, int]:
     hidden, layers, heads = (getattr(spec, key) or ENCODER_DEFAULTS[key]
                              for key in ("hidden_size", "num_layers", "num_attention_heads"))
     return hidden, layers, heads
+
+
+def check_processors(encoders: Mapping[str, EncoderSetting]) -> None:
+    """TrainConfigError where the processor saved beside a pretrained encoder's checkpoint
+    preprocesses otherwise than the run (``Encoder.check_processor``: normalization, an audio
+    encoder's sampling rate and features): at start-up, on every rank, before any is built."""
+    for name, encoder in encoders.items():
+        try:
+            ENCODERS[encoder.kind].check_processor(encoder.spec.pretrained, encoder.config)
+        except EncoderBuildError as error:
+            raise TrainConfigError(f"encoder module {name!r}: {error}") from None
 
 
 def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | None

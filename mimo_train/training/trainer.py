@@ -59,6 +59,7 @@ from mimo_train.model.build import build_model, shared_placeholders
 from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules, unwrap
 from mimo_train.plan import RunPlan
+from mimo_train.plan.encoders import check_processors
 from mimo_train.planning.dims import from_plan
 from mimo_train.planning.flops import peak_tflops, training_passes
 from mimo_train.planning.memory_remedies import advisor_command, memory_remedies
@@ -166,6 +167,7 @@ class Trainer:
                                 self.plan.vlm_tower_serves)
         else:
             check_template(self.preprocess, text.renderer)
+        check_processors(self.plan.encoders)
         return text, vocabulary
 
     def _build_model(self, text) -> None:

@@ -228,12 +228,16 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
 def check_fit(plan, preprocess) -> None:
     """The trainer's start-up check that the preprocessing is the one a whole VLM's
     checkpoint (``plan.vlm``) takes (its tokens, geometry, positions), with the
-    preprocessing's own tokenizer: ``TrainConfigError`` naming what differs."""
+    preprocessing's own tokenizer, and the one each pretrained encoder's saved processor
+    does (its normalization, an audio encoder's sampling rate and features: as the encoder's
+    build would refuse, before it): ``TrainConfigError`` naming what differs."""
+    from mimo_train.plan.encoders import check_processors
     if plan.vlm is not None:
         from mimo_data.preprocess.tokenizer_loading import load_tokenizer
         from mimo_train.families.preprocessing_fit import check_preprocessing
         check_preprocessing(plan.vlm, preprocess, load_tokenizer(preprocess),
                             plan.vlm_tower_serves)
+    check_processors(plan.encoders)
 
 
 # ---------------------------------------------------------------------------- the work
