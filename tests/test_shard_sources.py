@@ -634,6 +634,17 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     assert code == 2 and f"{wrapped}: expected a JSON array of records, got a JSON object " \
         f"holding a list under 'data': give that list as the file (e.g. jq '.data' {wrapped} > " \
         "records.json)" in err, err
+    # a JSON list of records saved as .jsonl (pretty-printed, with a BOM): read as the list,
+    # as --input-format llava too, not as its lines
+    listed = tmp_path / "listed.jsonl"
+    listed.write_bytes(b"\xef\xbb\xbf\n" + json.dumps(good_records[:3], indent=1).encode())
+    for flags in ([], ["--input-format", "llava"]):
+        out = tmp_path / f"listed{len(flags)}"
+        code, _, err = cli_main(capsys, "build", listed, "-o", out, "--no-progress", *flags)
+        assert code == 0, err
+        assert read_json(out / "report.json")["records_read"] == 3
+        assert [origin_of(record) for record in sample_records(out)] == [
+            (str(listed), "index", i) for i in range(3)]
     # LLaMA-Factory's dataset_info.json given for the data: said what it is
     registry = tmp_path / "dataset_info.json"
     registry.write_text(json.dumps({"mllm_demo": {"file_name": "mllm_demo.json",

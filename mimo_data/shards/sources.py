@@ -765,7 +765,9 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
                           "llava|manifest|parquet")
     if fmt == "auto" and suffix == ".parquet":
         fmt = "parquet"
-    lines = fmt in ("auto", "llava") and (suffix in _LINES_SUFFIXES or _json_lines(path))
+    # a file opening a JSON array is one whatever its name (a list of records saved as .jsonl)
+    lines = fmt in ("auto", "llava") and not _json_array(path) and (
+        suffix in _LINES_SUFFIXES or _json_lines(path))
     if fmt == "auto":
         fmt = "manifest" if lines and _first_record_has(path, "audio_filepath") else "llava"
     if fmt == "parquet":
@@ -843,12 +845,17 @@ def _leading_records(path: str):
                 return
 
 
-def _json_lines(path: str) -> bool:
-    """Whether ``path`` holds one JSON object per line: its first non-blank line is one (a JSON
-    array file's first character is '[', and is never read as a line: it may be one long)."""
+def _json_array(path: str) -> bool:
+    """Whether ``path``'s first character but a BOM and white space is '[': a JSON array
+    (never read as lines: it may be one long)."""
     with open(path, "rb") as data:
-        head = data.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
-    return not head.startswith(b"[") and next(_leading_records(path), None) is not None
+        return data.read(4096).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
+
+
+def _json_lines(path: str) -> bool:
+    """Whether ``path`` (no JSON array) holds one JSON object per line: its first non-blank
+    line is one."""
+    return next(_leading_records(path), None) is not None
 
 
 def _first_record_has(path: str, key: str) -> bool:
