@@ -462,6 +462,20 @@ def test_parquet_bad_row_is_reported_by_row_number(tmp_path, assets):
             "{'role': 'user', 'content': 'Hi'} (type object)"
         assert first["detail"] == f"its column 'messages' holds {held}, not a list of turns " \
             "(role/content or from/value objects)", first
+    # the table written out as JSON lines (pandas' to_json): its JSON text read as the turns;
+    # text that opens a list but is no JSON refused as such
+    write_jsonl(tmp_path / "exported.jsonl", [
+        {"id": "text", "image": str(assets["png"]),
+         "conversations": json.dumps(chat("<image>\nImage?", "Answer."))},
+        {"id": "broken", "conversations": '[{"from": "human", "value": "Hi"'}])
+    build_dataset([tmp_path / "exported.jsonl"], tmp_path / "exported")
+    [(record, _)] = _samples_by_id(tmp_path / "exported").values()
+    assert [(m["role"], m["content"]) for m in record["messages"]] == [
+        ("user", "<image>\nImage?"), ("assistant", "Answer.")]
+    [broken] = read_json(tmp_path / "exported" / "report.json")["skipped_by_reason"][
+        "malformed_json"]["first"]
+    assert broken["detail"].startswith("its 'conversations' holds a string that opens a JSON "
+                                       "list but is no valid JSON ("), broken
 
 
 def _manifest_lines(corpus):

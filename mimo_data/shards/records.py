@@ -105,9 +105,19 @@ def _without_break(text: str) -> str:
 
 def as_turns(turns, where: str):
     """``turns``, refused naming ``where`` (the record's key, the table's column) when they
-    are not a list (a number, a string, one object): they cannot be read as turns."""
+    are not a list (a number, a string, one object): they cannot be read as turns. A string
+    holding a JSON list (a table's JSON text column written out as JSON lines) is that list."""
     if turns is None or isinstance(turns, list):
         return turns
+    if isinstance(turns, str) and turns.lstrip().startswith("["):
+        try:
+            decoded = json.loads(turns)
+        except json.JSONDecodeError as exc:
+            raise RecordError("malformed_json", f"{where} holds a string that opens a JSON "
+                              f"list but is no valid JSON ({exc}): give the turns as a list, "
+                              "or as valid JSON text") from None
+        if isinstance(decoded, list):
+            return decoded
     text = repr(turns)
     shown = text if len(text) <= 60 else f"{text[:60]}..."
     raise RecordError("malformed_record", f"{where} holds {shown} (type "

@@ -451,9 +451,10 @@ class ConversationFile:
                               "pair, a 'texts' document or MMC4's 'text_list' and "
                               "'image_info': convert other forms first (alpaca's "
                               "instruction/input/output, query/response, video QA's q/a)")
-        _refuse_preference(record, turns)
         key = "conversations" if record.get("conversations") is not None else "messages"
-        turns = exchanges(as_turns(turns, f"its {key!r}"), media)
+        turns = as_turns(turns, f"its {key!r}")
+        _refuse_preference(record, turns)
+        turns = exchanges(turns, media)
         media = with_part_items(media, turns, {
             name: _as_list(record.get(media_field(name))) for name in MODALITIES})
         _check_unread(record, media, unread, _RENAME, turns)
