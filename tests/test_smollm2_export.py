@@ -192,6 +192,13 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert main(["--checkpoint", str(smollm2.checkpoint), "--output", str(step_name)]) == 2
     assert f"--output {step_name} is a step's name in the checkpoint.dir " \
         f"{smollm2.checkpoint.parent}" in capsys.readouterr().err and not step_name.exists()
+    # a folder inside a step: checkpoint.keep_last's pruning would remove it with the step
+    inside = smollm2.checkpoint / "exports" / "hf"
+    assert main(["--checkpoint", str(smollm2.checkpoint), "--output", str(inside)]) == 2
+    assert f"--output {inside} is inside {smollm2.checkpoint}, a step of the checkpoint.dir " \
+        f"{smollm2.checkpoint.parent}: a run's checkpoint.keep_last removes it with the step; " \
+        "export to a folder of its own" in capsys.readouterr().err
+    assert not inside.parent.exists()
     (tmp_path / "afile").write_text("in the way\n")          # a file where a folder goes
     assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
                  str(tmp_path / "afile" / "export")]) == 2

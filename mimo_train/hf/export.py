@@ -221,15 +221,27 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
                           f"{', '.join(SHORT)})")
     output = os.path.abspath(output)
     if os.path.lexists(output):
-        raise ExportError(f"--output {output} exists: remove it or choose another directory")
+        raise ExportError(f"--output {output} exists: remove it (even an empty folder: the "
+                          "export is renamed into place when complete) or choose another "
+                          "directory")
     directory = step_directory(checkpoint)
     parent = os.path.dirname(output)
     from mimo_train.checkpoint_folders import LATEST, STEP_NAME, complete_steps
-    if re.fullmatch(STEP_NAME, os.path.basename(output)) and os.path.isdir(parent) and (
-            os.path.lexists(os.path.join(parent, LATEST)) or complete_steps(parent)):
-        raise ExportError(f"--output {output} is a step's name in the checkpoint.dir {parent}: "
-                          "a run saving that step there would replace the export; export "
-                          "to a folder of its own")
+    # the output, or a folder above it, a step of a checkpoint.dir: a run saving that step
+    # replaces it, and checkpoint.keep_last's pruning removes it with the step, unsaid
+    step = output
+    while os.path.dirname(step) != step:
+        root = os.path.dirname(step)
+        if re.fullmatch(STEP_NAME, os.path.basename(step)) and os.path.isdir(root) and (
+                os.path.lexists(os.path.join(root, LATEST)) or complete_steps(root)):
+            raise ExportError(
+                f"--output {output} " + (f"is a step's name in the checkpoint.dir {root}: a "
+                                         "run saving that step there would replace the export"
+                                         if step == output else
+                                         f"is inside {step}, a step of the checkpoint.dir "
+                                         f"{root}: a run's checkpoint.keep_last removes it "
+                                         "with the step") + "; export to a folder of its own")
+        step = root
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as error:
