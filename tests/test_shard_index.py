@@ -1584,8 +1584,9 @@ def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, t
     """A tar where GNU tar stored a photo's second name as a hard link (and one symbolic
     link): the link holds no data, so its sample lacks the image; each link is counted
     ``link_member`` by name, saying how to write the tar instead, never dropped unsaid. Links
-    and members of no sample (macOS ``._*``, a name without suffix) are members set aside,
-    not records: the tar's 3 samples are the records read, and ``info`` says both."""
+    and members of no sample (macOS ``._*``, in a folder too, a name without suffix) are
+    members set aside, not records: the tar's 3 samples are the records read, and ``info``
+    says both."""
     from mimo_data.shards.in_place import IndexOptions, index
     from mimo_data.shards.info import dataset_info, format_info
     from mimo_data.shards.reader import ShardReader
@@ -1594,7 +1595,8 @@ def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, t
     (tmp_path / "src").mkdir()
     with tarfile.open(tmp_path / "src" / "links.tar", "w") as tar:
         for name, data in (("0.jpg", photo), ("0.txt", b"A photo."), ("._0.jpg", b"\0" * 9),
-                           ("LICENSE", b"CC0"), ("1.txt", b"Again."), ("2.txt", b"Once more.")):
+                           ("sub/._0.jpg", b"\0" * 9), ("LICENSE", b"CC0"),
+                           ("1.txt", b"Again."), ("2.txt", b"Once more.")):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -1612,8 +1614,9 @@ def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, t
     assert set(report["skipped_by_reason"]) == {"missing_media"}
     aside = report["members_ignored_by_reason"]
     assert [entry["location"] for entry in aside["stray_member"]["first"]] == [
-        "links.tar:._0.jpg", "links.tar:LICENSE"]
-    assert "indexed   3 records read, 2 skipped (missing_media 2), 4 tar member(s) ignored " \
+        "links.tar:._0.jpg", "links.tar:sub/._0.jpg", "links.tar:LICENSE"]
+    assert aside["stray_member"]["first"][1]["detail"] == "a macOS metadata file (._*), no data"
+    assert "indexed   3 records read, 2 skipped (missing_media 2), 5 tar member(s) ignored " \
         "(links, or of no sample)" in format_info(dataset_info(str(tmp_path / "idx")))
     links = aside["link_member"]
     assert links["count"] == 2

@@ -152,7 +152,10 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
                         walked.others.append(info.name)
                     continue
                 key, suffix = base_plus_ext(info.name)
-                if key is None or suffix is None:
+                # a macOS metadata file (._NAME) in a folder splits as key "folder/": stray
+                # wherever it is, as at the tar's root (where webdataset finds no key)
+                if key is None or suffix is None or \
+                        info.name.rpartition("/")[2].startswith("._"):
                     walked.stray.append(info.name)
                     continue
                 suffix = suffix.lower()                    # as webdataset's group_by_keys
