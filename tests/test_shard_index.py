@@ -1506,14 +1506,25 @@ def test_an_empty_first_tar_decides_no_layout(corpus_photos, tmp_path, capsys):
 def test_a_tar_whose_keys_members_are_apart_is_said_to_be_so(corpus_photos, tmp_path, capsys):
     """``tar cf x.tar *.jpg *.txt``: every image, then every caption. webdataset would read
     each key as two samples; detection says the members are apart and how to write the tar,
-    not that the samples are of no layout (exit 2)."""
+    not that the samples are of no layout (exit 2), even where a whole sample among them
+    decides one."""
     photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
     write_tar(tmp_path / "src" / "apart.tar", {"0.jpg": photo, "1.jpg": photo,
                                                 "0.txt": b"A photo.", "1.txt": b"Again."})
     code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 2 and "apart.tar: the members of one key are apart (key '0' comes back " \
-        "after other keys)" in err and "tar -cf x.tar --sort=name -C FOLDER ." in err, err
+        "after other keys, with other members)" in err and "tar -cf x.tar --sort=name -C " \
+        "FOLDER ." in err, err
+    # tar cf in a folder's listing order: one whole sample first decides a layout (pairs),
+    # and the others' members apart are still refused, not indexed as skipped halves
+    write_tar(tmp_path / "listed" / "apart.tar", {
+        "1.jpg": photo, "1.txt": b"One.", "0.jpg": photo, "2.jpg": photo, "0.txt": b"Zero.",
+        "2.txt": b"Two."})
+    code, _, err = cli_main(capsys, "index", tmp_path / "listed", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and "apart.tar: the members of one key are apart (key '0' comes back " \
+        "after other keys, with other members)" in err, err
     # more samples than detection reads: each of them one jpg
     write_tar(tmp_path / "many" / "apart.tar", {
         **{f"{n}.jpg": photo for n in range(20)}, **{f"{n}.txt": b"A." for n in range(20)}})

@@ -395,23 +395,24 @@ def energon_above(folders: Iterable[str], storage_options: dict | None) -> str |
 def _head(root: str, names: list[str], storage_options: dict | None
           ) -> tuple[str, list[dict[str, bytes]], list[str]]:
     """The first tar of ``names`` that holds a sample, its first samples' members (up to
-    ``DETECT_SAMPLES``) and the keys met twice among them (a tar whose members of one key are
-    not together); an empty tar first, or one cut short in its first member, decides nothing.
-    ("", [], []) where none holds one."""
+    ``DETECT_SAMPLES``) and the keys met twice among them with other members each time (a
+    tar whose members of one key are not together; a whole sample twice is a duplicate,
+    counted as such); an empty tar first, or one cut short in its first member, decides
+    nothing. ("", [], []) where none holds one."""
     for name in names:
         head: list[dict[str, bytes]] = []
-        keys: list[str] = []
+        runs: dict[str, set[frozenset[str]]] = {}       # key -> the suffixes of each run
         with open_tar(storage.join(root, name), storage_options) as tar:
             try:
                 for sample in walk(tar, Walked()):
                     head.append({suffix: m.data for suffix, m in sample.members.items()})
-                    keys.append(sample.key)
+                    runs.setdefault(sample.key, set()).add(frozenset(sample.members))
                     if len(head) == DETECT_SAMPLES:
                         break
             except NotATarError as exc:
                 raise IndexInputError(f"{storage.join(root, name)}: {exc}") from None
         if head:
-            return name, head, sorted({key for key in keys if keys.count(key) > 1})
+            return name, head, sorted(key for key, held in runs.items() if len(held) > 1)
     return "", [], []
 
 
@@ -456,11 +457,11 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
                                   "media markers and no medium beside it. If the tar holds "
                                   "the media further on (tar cf x.tar *.json *.jpg), the "
                                   f"members of one key are apart: {rewrite}")
-        if not layout and (split or len(lone) == 1):
-            if split:
-                raise IndexInputError(f"{storage.join(root, first)}: the members of one key "
-                                      f"are apart (key {split[0]!r} comes back after other "
-                                      f"keys): {rewrite}")
+        if split:               # whatever the samples read whole say of the layout
+            raise IndexInputError(f"{storage.join(root, first)}: the members of one key are "
+                                  f"apart (key {split[0]!r} comes back after other keys, with "
+                                  f"other members): {rewrite}")
+        if not layout and len(lone) == 1:
             suffix = lone.pop()
             raise IndexInputError(f"{storage.join(root, first)}: each of its first {len(head)} "
                                   f"samples is one {suffix} member. If the tar holds their "
