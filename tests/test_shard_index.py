@@ -2016,6 +2016,8 @@ def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):
     code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")
     assert code == 1
     assert f"sample {key} member {key}.{item['member']}: its bytes changed" in err
+    assert "pairs-000001.tar: sha256 differs from the index (the file changed after its " \
+        "indexing)" in err, err
     # a sample appended to the tar since (tar rf) past its padding: said so, with what to do,
     # once
     shutil.copy(pairs.src / "pairs-000001.tar", tmp_path / "tars")

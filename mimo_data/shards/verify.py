@@ -43,15 +43,16 @@ from mimo_data.shards.tar_walk import NotATarError, Sample, Walked, walk
 MAX_PROBLEMS_PER_SHARD = 20
 
 
-def _check_file(path: str, expected: dict, sha256: str | None = None) -> list[str]:
-    """Problems of the local file (or local copy) at ``path``; ``sha256``: its digest where
-    a walk of it has it already."""
-    name = os.path.basename(path)
+def _check_file(path: str, name: str, expected: dict, sha256: str | None = None,
+                since: str = "the build") -> list[str]:
+    """Problems of the local file (or local copy) at ``path``, named ``name`` (as the index
+    names it); ``sha256``: its digest where a walk of it has it already; ``since``: what made
+    the index (the build, or the tars' indexing in place)."""
     size = os.path.getsize(path)
     if size != expected["bytes"]:
         return [f"{name}: {size} bytes, the index says {expected['bytes']}"]
     if (sha256 or file_sha256(path)) != expected["sha256"]:
-        return [f"{name}: sha256 differs from the index (the file changed after the build)"]
+        return [f"{name}: sha256 differs from the index (the file changed after {since})"]
     return []
 
 
@@ -88,7 +89,8 @@ def verify_shard(directory: str, shard: dict, rows: list[dict],
                 _walk_indexed(path, shard, rows, records, walked, keys_per_tar)
         except (tarfile.TarError, OSError, EOFError, NotATarError) as exc:
             located = [f"shard {shard['name']}: the tar cannot be read: {exc}"]
-        problems = _check_file(path, shard, walked.sha256 or None)
+        problems = _check_file(path, shard["name"], shard, walked.sha256 or None,
+                               "the build" if records is None else "its indexing")
         grown = os.path.getsize(path) - shard["bytes"]
     if problems and not located and grown > 0:       # members appended (tar rf) since
         problems = [f"{shard['name']}: {grown:,} bytes longer than the index says "
@@ -292,7 +294,7 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
                             f"{remake(index)}")
             continue
         with storage.local_copy(location) as path:
-            problems += _check_file(path, expected)
+            problems += _check_file(path, name, expected)
     if problems:
         return problems
     table = storage.readable(storage.join(directory, SAMPLES_FILE))  # a remote one read once
