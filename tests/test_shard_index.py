@@ -1968,6 +1968,14 @@ def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path,
     with pytest.raises(DatasetError, match=rf"pairs-000001.tar: sample {key} member {key}.txt: "
                        r"its bytes changed .*index the tars again where they are now"):
         ShardReader(str(tmp_path / "idx")).check_shards()
+    # mimo-inspect sample shows the index's text: it checks the tars first, as a run does
+    from mimo_data.inspect.cli import main as inspect_main
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = inspect_main(["sample", str(tmp_path / "idx"), "--key", key, "--config",
+                             str(REPO / "configs" / "preprocess.yaml")])
+    assert code == 1 and f"sample {key} member {key}.txt: its bytes changed" in err.getvalue(), \
+        err.getvalue()
     code, _, err = cli_main(capsys, *made)
     assert code == 2 and "already holds an index of these tars, but 2 of them were written " \
         "again since (dup.tar, pairs-000001.tar): their text may differ from the index's, " \

@@ -299,6 +299,9 @@ def _sample(args, config) -> int:
               "--random N", file=sys.stderr)
         return 2
     reader = ShardReader(args.directory, args.cache_dir)
+    # as a run's start-up: shards missing, cut short, or tars indexed in place written again
+    # since with other text (what the sample shows is the index's)
+    reader.check_shards()
     if args.key is not None:
         position = _position_of(reader, args.key)
         if isinstance(position, str):
