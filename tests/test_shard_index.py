@@ -1308,6 +1308,7 @@ def test_a_pair_without_its_medium_says_what_to_do():
         synthesize({"v2.jpg": b"", "v2.txt": b"a"}, MemberMap("pairs"))
     assert caught.value.reason == "missing_text"
     assert "key ends at the first dot" in caught.value.detail, caught.value.detail
+    assert "index with --media-member v2.jpg --text-member v2.txt" in caught.value.detail
     # an image without its caption member: the members the sample has are named
     with pytest.raises(RecordError) as caught:
         synthesize({"jpg": b"", "caption": b"a"}, MemberMap("pairs"))

@@ -407,8 +407,10 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
                           f"{listed(sorted(members))})" + (
                               f"; webdataset's key ends at the first dot of a file name, so "
                               f"KEY.{medium[1]} is a member {medium[1]!r}, not a medium of "
-                              "a key with a dot: write keys without dots"
-                              if "." in medium[1] else ""))
+                              "a key with a dot: index with --media-member "
+                              f"{medium[1]} --text-member "
+                              f"{medium[1].partition('.')[0]}.{mapping.text}, or write keys "
+                              "without dots" if "." in medium[1] else ""))
     text, counts = _chosen(text, None, "the caption")
     caption = _as_text(text, "the caption", "empty_caption")
     if any(marker in caption for marker in MARKERS.values()):
