@@ -876,7 +876,8 @@ def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, caps
     for given in ([packed, "--layout", "pairs"], [packed], [plain, packed]):
         code, _, err = cli_main(capsys, "index", *given, "--output", tmp_path / "idx",
                                 "--workers", "0", "--no-progress")
-        assert code == 2 and f"{packed}: not a tar but gzip-compressed: decompress" in err, err
+        assert code == 2 and f"{packed}: not a tar but gzip-compressed: decompress it into a " \
+            ".tar (`gunzip -k`), then index that" in err, err
         assert not (tmp_path / "idx" / "index.json").exists()
     # a folder of both: refused, never its plain tars alone without a word
     code, _, err = cli_main(capsys, "index", tmp_path / "gz", "--output", tmp_path / "idx",

@@ -32,11 +32,19 @@ _WINDOW = 1 << 16      # bytes kept behind the read position: tarfile buffers 10
 NOT_IN_PLACE = ("decompress it into a .tar (`gunzip -k`, `zstd -d`, `bunzip2 -k`, `unxz -k` "
                 "as it is compressed), then index that: a compressed tar's members have no "
                 "byte offsets to read them at")
+
+
+def _decompress(tool: str) -> str:
+    """What to do with a tar compressed as ``tool`` undoes."""
+    return (f"decompress it into a .tar (`{tool}`), then index that: a compressed tar's "
+            "members have no byte offsets to read them at")
+
+
 # what a file whose first block is no tar header is, by its first bytes
-_MAGIC = ((b"\x1f\x8b", f"gzip-compressed: {NOT_IN_PLACE}"),
-          (b"\x28\xb5\x2f\xfd", f"zstd-compressed: {NOT_IN_PLACE}"),
-          (b"BZh", f"bzip2-compressed: {NOT_IN_PLACE}"),
-          (b"\xfd7zXZ\x00", f"xz-compressed: {NOT_IN_PLACE}"),
+_MAGIC = ((b"\x1f\x8b", f"gzip-compressed: {_decompress('gunzip -k')}"),
+          (b"\x28\xb5\x2f\xfd", f"zstd-compressed: {_decompress('zstd -d')}"),
+          (b"BZh", f"bzip2-compressed: {_decompress('bunzip2 -k')}"),
+          (b"\xfd7zXZ\x00", f"xz-compressed: {_decompress('unxz -k')}"),
           (b"PAR1", "a Parquet file (img2dataset writes one beside each tar: give only the "
                     "tars, e.g. 'DIR/*.tar'; a dataset as a table is for `mimo-shard build`)"),
           (b"PK\x03\x04", "a zip file: unzip it"))
