@@ -146,8 +146,9 @@ def case_zero_frame_wav(tmp_path, assets):
 
 
 def case_more_markers_than_images(tmp_path, assets):
+    """Two markers and one item: the item left out of the record is said first."""
     return Case(_image_record(assets["jpeg"], "<image>\n<image>\nCompare them."),
-                "marker_mismatch")
+                "marker_mismatch", detail="give the 1 item(s) left out of the record")
 
 
 def case_fewer_markers_than_images(tmp_path, assets):

@@ -535,9 +535,10 @@ def _mismatch_hint(markers: int, items: int, markers_first: bool, modality: str,
         return (f": each item goes where its {MARKERS[modality]} is in the text; write the "
                 f"{items - markers} missing, or leave out the items that have none")
     if markers > items:
-        return (f": each {MARKERS[modality]} in a text places an item, so one written as "
-                "words (in a transcript, or a question about the tag) cannot be told from one; "
-                "reword those words in the source data")
+        return (f": each {MARKERS[modality]} in a text places an item: give the "
+                f"{markers - items} item(s) left out of the record, or, where a marker is "
+                "written as words (in a transcript, or a question about the tag), which cannot "
+                "be told from one, reword those words in the source data")
     return ""
 
 
