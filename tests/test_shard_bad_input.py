@@ -553,7 +553,8 @@ def case_a_turn_whose_value_is_null(tmp_path, assets):
     """An export's null answer: said to be null, not taken for a key that is not there."""
     record = {"id": "bad", "conversations": [{"from": "human", "value": "Hi?"},
                                              {"from": "gpt", "value": None}]}
-    return Case(record, "malformed_record", detail="turn 1 has keys from ('value' null)")
+    return Case(record, "malformed_record", detail="turn 1 (gpt) has a null value: give its "
+                "text as a string (an answer cut off in an export?), or leave the record out")
 
 
 def _parts_record(*media_parts) -> dict:

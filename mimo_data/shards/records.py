@@ -166,6 +166,12 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
             raise RecordError("malformed_record", f"turn {i} is a tool's response without "
                               "content: give the tool's result as its content (a string, or "
                               "its JSON)")
+        if speaker is not None and content is None and any(
+                key in turn for key in ("content", "value")):
+            raise RecordError("malformed_record", f"turn {i} ({speaker}) has a null "
+                              f"{'content' if 'content' in turn else 'value'}: give its text "
+                              "as a string (an answer cut off in an export?), or leave the "
+                              "record out")
         if speaker is None or content is None:
             keys = sorted(key for key, value in turn.items() if value is not None)
             nulls = sorted(key for key, value in turn.items() if value is None)
