@@ -300,6 +300,25 @@ def test_inputs_that_cannot_be_what_was_meant_are_refused(capsys, tmp_path, smal
     assert code == 2 and f"--media-root {tmp_path / 'nowhere'} is not a folder" in err, err
     code, _, err = cli_main(capsys, "build", tmp_path, "-o", tmp_path / "b", "--no-progress")
     assert code == 2 and f"{tmp_path}: is a folder; give the records' files" in err, err
+    # media paths relative to another folder than the input's: most records skipped as
+    # missing_media, said with --media-root (given, the one given named)
+    image, text = good_records[0], good_records[2]
+    (tmp_path / "bare").mkdir()
+    bare = write_jsonl(tmp_path / "bare" / "bare.jsonl",
+                       [{**image, "image": os.path.basename(image["image"])}, text])
+    images = os.path.dirname(image["image"])
+    for flags, said in (([], "their media paths are read relative to each input file's "
+                             "folder: where they are relative to another, give it as "
+                             "--media-root"),
+                        (["--media-root", tmp_path / "bare"], "are their media paths "
+                         f"relative to --media-root {tmp_path / 'bare'}?"),
+                        (["--media-root", images], None)):
+        out = tmp_path / f"bare-{len(flags)}-{said is None}"
+        code, _, err = cli_main(capsys, "build", bare, "-o", out, "--no-progress", *flags)
+        assert code == 0 and (said is None) == ("missing_media" not in err), err
+        if said is not None:
+            assert f"warning: 1 of the 2 record(s) read were skipped as missing_media: {said}" \
+                in err, err
     # a shard name that is no file name's start; a --seed that nothing would use
     for name in ("a/b", "", ".hidden"):
         with pytest.raises(SystemExit) as stopped:

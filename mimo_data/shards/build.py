@@ -234,6 +234,20 @@ class _InputCounts:
             if not written]
 
 
+def _media_root_hint(report: Tally, media_root: str | None) -> str:
+    """A warning where half the records read or more were skipped as ``missing_media``: their
+    paths likely relative to another folder than the one they are read against."""
+    missing = report.skipped.get("missing_media", {}).get("count", 0)
+    if not missing or 2 * missing < report.seen:
+        return ""
+    return (f"warning: {missing} of the {report.seen} record(s) read were skipped as "
+            "missing_media: " + (f"are their media paths relative to --media-root "
+                                 f"{media_root}? (skipped.jsonl names each path looked for)"
+                                 if media_root else "their media paths are read relative to "
+                                 "each input file's folder: where they are relative to "
+                                 "another, give it as --media-root"))
+
+
 def _globbed(inputs: list[str]) -> list[str]:
     """``inputs`` with each glob pattern (quoted, so the shell left it: ``'data/*.parquet'``,
     a hub download's shards; ``**`` spans folders) replaced by the files it matches, sorted
@@ -517,6 +531,8 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
     write_atomic(os.path.join(staging, REPORT_FILE),
                  dumps(report.to_dict() | {"inputs": per_input.to_list()}))
     for line in per_input.warnings():
+        print(line, file=sys.stderr)
+    if line := _media_root_hint(report, options.media_root):
         print(line, file=sys.stderr)
     index = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": options.name,
