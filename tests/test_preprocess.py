@@ -499,6 +499,14 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
     with pytest.raises(SampleDropped) as dropped:
         preprocessor(record)
     assert dropped.value.reason == "template_mismatch"
+    # a template that writes no answer at all: said so, not to add generation blocks
+    silent = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|im_start|>"
+              "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(SampleDropped, match=r"the chat template does not write turn \d+'s "
+                       r"answer at all \(it leaves the assistant's turns out\?\)") as dropped:
+        Preprocessor(config(chat_template=silent), with_media=False)(record)
+    assert dropped.value.reason == "template_mismatch"
 
 
 def test_template_that_changes_contents_masks_what_it_renders(records, reference_tokenizer):

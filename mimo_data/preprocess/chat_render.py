@@ -337,6 +337,13 @@ class ChatRenderer:
             after = text if i == len(messages) - 1 else self._render(messages[:i + 1],
                                                                      tools=tools)
             if not (after.startswith(before) and text.startswith(after)):
+                content = message.get("content")
+                if isinstance(content, str) and content.strip() and content not in text:
+                    raise TextError("template_mismatch", f"the chat template does not write "
+                                    f"turn {i}'s answer at all (it leaves the assistant's "
+                                    "turns out?): nothing of it could be trained; give a "
+                                    "chat_template that writes the answers, or leave "
+                                    "chat_template out to use the tokenizer's own")
                 first = not any(m["role"] == "user" for m in messages[:i])
                 raise TextError("template_mismatch", f"the chat template does not render "
                                 f"turn {i} as an extension of the turns before it, so the "
