@@ -87,7 +87,13 @@ def test_ranks_in_no_module():
 def test_overlapping_ranges():
     message = _error("language=dp2;image=dp2,off1", 3)
     assert "'image'" in message and "overlaps 'language'" in message
-    assert "set image's offset to 2 (the world then has 4 ranks or more)" in message
+    assert message.endswith("set image's offset to 2 (the world then has 4 ranks or more), or "
+                            "put every module on the same ranks (colocated)"), message
+    # with language context parallelism, which a colocated layout does not take: the offset
+    # alone
+    message = _error("language=cp2;image=dp1,off0", 2)
+    assert message.endswith("set image's offset to 2 (the world then has 3 ranks or more)"), \
+        message
 
 
 def test_a_tower_cannot_share_the_ranks_of_a_split_language_model():

@@ -555,13 +555,15 @@ class Layout:
             if module.rank_offset < expected:
                 other = next(m for m in spans if m is not module and
                              module.rank_offset in m.ranks)
+                # (a colocated layout takes no language context parallelism)
+                colocated = "" if any(m.name == LANGUAGE and m.cp > 1 for m in spans) else \
+                    ", or put every module on the same ranks (colocated)"
                 raise LayoutError(
                     f"module {module.name!r} (ranks {module.rank_offset}..{module.ranks.stop - 1}"
                     f") overlaps {other.name!r} (ranks {other.rank_offset}.."
                     f"{other.ranks.stop - 1}): non-colocated modules need disjoint rank ranges;"
                     f" set {module.name}'s offset to {expected} (the world then has "
-                    f"{max(expected + module.size, self.world_size)} ranks or more), or put "
-                    "every module on the same ranks (colocated)")
+                    f"{max(expected + module.size, self.world_size)} ranks or more){colocated}")
             if module.rank_offset > expected:
                 raise LayoutError(f"ranks {expected}..{module.rank_offset - 1} are in no module "
                                   f"(gap before {module.name!r} at offset {module.rank_offset}); "
