@@ -348,8 +348,10 @@ def test_the_start_up_line_says_what_trains():
     modules = {"image": None, "language": None}
     encoders = {"image": SimpleNamespace(projection="mlp")}
     plan: Any = SimpleNamespace(frozen=(Part("image", "encoder"),), adapted=(lora,),
-                                modules=modules, encoders=encoders)
+                                modules=modules, encoders=encoders,
+                                language=SimpleNamespace(experts=0, num_layers=2))
     plan.parts_in_full = lambda: RunPlan.parts_in_full(plan)
+    plan._experts_left = lambda adapted: RunPlan._experts_left(plan, adapted)
     assert RunPlan.training_summary(plan) == (
         "image.encoder frozen; language LoRA rank 4 alpha 8 on linear_qkv, linear_fc1 (its "
         "weights fixed); image.projection in full")
@@ -360,6 +362,18 @@ def test_the_start_up_line_says_what_trains():
     assert RunPlan.training_summary(plan).endswith("linear_fc1 (its weights fixed)")
     assert RunPlan.training_summary(SimpleNamespace(frozen=(), adapted=(), modules=modules)) \
         == "every module in full"
+    # a mixture of experts: targets that leave its routed experts out say so (all-linear as
+    # PEFT's), targets that take them in say nothing more
+    plan.language.experts = 8
+    assert RunPlan.training_summary(plan).endswith("linear_fc1 (its weights fixed)")
+    lora.spec = LoraConfig(rank=4, alpha=8, targets=["all-linear"])
+    assert RunPlan.training_summary(plan).endswith(
+        "on all-linear (its weights fixed; its routed experts not adapted, as PEFT's "
+        "all-linear leaves them: name linear_fc1 / linear_fc2 to adapt them too)")
+    lora.spec = LoraConfig(rank=4, alpha=8, targets=["linear_qkv"])
+    assert RunPlan.training_summary(plan).endswith(
+        "on linear_qkv (its weights fixed; its routed experts not adapted: name linear_fc1 / "
+        "linear_fc2 to adapt them too)")
     plan.frozen, plan.adapted = (), ()    # what an adapters-only export refuses: all of it
     assert plan.parts_in_full() == ["image.encoder", "language"]
 

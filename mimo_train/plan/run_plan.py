@@ -24,7 +24,8 @@ from mimo_train.families.registry import read_vlm
 from mimo_train.plan.encoders import EncoderSetting, check_vlm_projections, encoder_settings
 from mimo_train.plan.language import LanguagePlan, language_plan
 from mimo_train.plan.lora_targets import check_plan_targets
-from mimo_train.plan.parts import Adapted, Part, check_module_names, parse_parts
+from mimo_train.plan.parts import (ALL_LINEAR, Adapted, Part, check_module_names, parse_parts,
+                                   reaches_routed_experts)
 from mimo_train.plan.rules import Facts, Settings, check
 
 
@@ -124,12 +125,23 @@ class RunPlan:
         full``."""
         said = [f"{p.name} frozen" for p in self.frozen]
         said += [f"{a.part.name} LoRA rank {a.spec.rank} alpha {a.spec.alpha:g} on "
-                 f"{', '.join(a.spec.targets)} (its weights fixed)"
+                 f"{', '.join(a.spec.targets)} (its weights fixed{self._experts_left(a)})"
                  for a in self.adapted]
         if not said:
             return "every module in full"
         full = self.parts_in_full()
         return "; ".join([*said, *([f"{', '.join(full)} in full"] if full else [])])
+
+    def _experts_left(self, adapted: Adapted) -> str:
+        """What to add where ``adapted``'s targets leave a mixture of experts' routed experts
+        out (``all-linear`` does, as PEFT's): said, since a run would not show it."""
+        language = self.language
+        if adapted.part.module != LANGUAGE or not language.experts or reaches_routed_experts(
+                tuple(adapted.spec.targets), language.num_layers, language.experts):
+            return ""
+        return ("; its routed experts not adapted" +
+                (", as PEFT's all-linear leaves them" if ALL_LINEAR in adapted.spec.targets
+                 else "") + ": name linear_fc1 / linear_fc2 to adapt them too")
 
     def parts_in_full(self) -> list[str]:
         """The parts whose own weights train (neither in ``model.freeze`` nor under LoRA), in
