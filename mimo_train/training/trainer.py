@@ -67,7 +67,7 @@ from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
 from mimo_train.runtime.console import (PREFIX, agree, memory_cause, out_of_gpu_memory, phase,
                                         run_failure, say)
-from mimo_train.runtime.preemption import PAST_DEADLINE, ExitSignals, signal_number
+from mimo_train.runtime.preemption import PAST_DEADLINE, ExitSignals, deadline, signal_number
 from mimo_train.runtime.profile import Profile, mark_phase
 from mimo_train.training import start_checks
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
@@ -87,8 +87,8 @@ class Trainer:
         self.plan, self.cfg = plan, plan.config
         cfg = self.cfg
         start = time.perf_counter()
-        minutes = cfg.train.exit_duration_minutes    # from here: start-up counts too
-        self.deadline = time.monotonic() + 60 * minutes if minutes else None
+        # from the process's start: imports and start-up count, as against the job's limit
+        self.deadline = deadline(cfg.train.exit_duration_minutes)
         self.device, problem = devices.select(cfg.train.device, devices.probe())
         timeout = timedelta(minutes=cfg.train.collective_timeout_minutes)
         kinds = distributed.init(self.device, timeout)
