@@ -59,6 +59,22 @@ def test_a_run_of_this_host_that_still_goes_keeps_its_folder(tmp_path, other_run
     assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
 
 
+def test_a_copy_of_a_live_runs_folder_is_no_run_of_its_own(tmp_path, other_run):
+    """``cp -r`` of a folder a run of this host still writes: the copy's claim was written in
+    the original folder (its device and inode), so a run in the copy takes it over; the
+    original stays the live run's."""
+    import shutil
+    process, identity = other_run
+    (tmp_path / "run").mkdir()
+    _claim_of(tmp_path / "run", pid=process.pid, **identity,
+              folder=checkpoint_owner._folder(str(tmp_path / "run")))
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    checkpoint_owner.claim(str(tmp_path / "copy"))
+    assert json.loads((tmp_path / "copy" / OWNER).read_text())["pid"] == os.getpid()
+    with pytest.raises(CheckpointError, match="is being written by another run"):
+        checkpoint_owner.claim(str(tmp_path / "run"))
+
+
 def test_a_process_id_given_to_another_process_is_no_run(tmp_path, other_run):
     """The claim's process id now names a process started later (a restarted container's)."""
     process, identity = other_run

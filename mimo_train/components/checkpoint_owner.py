@@ -9,9 +9,10 @@ when the run ends (``release``).
 
 At start-up (``claim``) a claim is taken over where its run has ended: on this host (and
 process-id namespace), its process (the same process id and start time since the same boot)
-is gone; on another host, which cannot be asked, its claim was not refreshed for
-``STALE_S``. A claim of the same job (Slurm's job id, torchrun's run id: a requeue, an
-elastic restart) made on another host is
+is gone, or the claim was written in another folder (a live run's folder copied: its claim
+holds the folder's device and inode, which the copy's are not); on another host, which
+cannot be asked, its claim was not refreshed for ``STALE_S``. A claim of the same job
+(Slurm's job id, torchrun's run id: a requeue, an elastic restart) made on another host is
 taken over at once; on this host, only once its process is gone, as any other's (two job
 steps of one allocation, say, would mix their checkpoints as two jobs would); a plain
 ``torchrun`` (no ``--rdzv-id``) names no job: its run id is "none" in every launch.
@@ -80,10 +81,21 @@ def _read(root: str) -> dict | None:
     return found if isinstance(found, dict) and {"host", "pid"} <= set(found) else None
 
 
+def _folder(root: str) -> list[int] | None:
+    """The folder ``root``'s device and inode (another folder's, a copy's, differ on this
+    host); None where it is not there."""
+    try:
+        stat = os.stat(root)
+    except OSError:
+        return None
+    return [stat.st_dev, stat.st_ino]
+
+
 def _write(root: str, claim: dict) -> None:
     global _refreshed
     os.makedirs(root, exist_ok=True)        # (a folder deleted meanwhile is made again)
-    write_atomic(os.path.join(root, OWNER), json.dumps(claim).encode())
+    write_atomic(os.path.join(root, OWNER), json.dumps({**claim, "folder": _folder(root)})
+                 .encode())
     _refreshed = time.time()
 
 
@@ -114,6 +126,8 @@ def _still_runs(found: dict, me: dict, root: str) -> bool:
     pid = found.get("pid")
     if not isinstance(pid, int) or pid == me["pid"]:
         return False
+    if found.get("folder") not in (None, _folder(root)):
+        return False                        # written in another folder: a copy's claim
     now = _process(pid)
     if now["start"] is None:                # gone, or no /proc to ask
         return False
