@@ -634,8 +634,16 @@ def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store, mon
         env.setenv("AWS_EC2_METADATA_DISABLED", "true")         # no instance's role either
         with pytest.raises(StorageError, match=r"no credentials found \(NoCredentialsError: .*"
                            r"Give the credentials \(the environment's variables, e.g. "
-                           "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+                           "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") as refused:
             storage.exists(f"s3://{BUCKET}/ds/index.json", anonymous)
+        # the endpoint the request went to named: the options', else the environment's,
+        # else AWS's own
+        assert f"(endpoint {s3.endpoint_url}): no credentials found" in str(refused.value)
+        assert storage.endpoint_of("s3://b/x", {}) == "AWS's own: no endpoint_url given"
+        env.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
+        assert storage.endpoint_of("s3://b/x", {}) == "http://minio:9000"
+        assert storage.endpoint_of("s3://b/x", {"endpoint_url": "http://a"}) == "http://a"
+        assert storage.endpoint_of("gs://b/x", {}) == ""
     assert sum(storage.RETRIES.values()) == retried
 
 
@@ -721,8 +729,8 @@ def test_shards_cut_short_or_missing_are_named_at_opening_and_not_retried(
         reader.read_member(len(reader) - 1, "json")
     assert sum(storage.RETRIES.values()) == retried
     s3.faults = Faults(rate=1.0, kinds=("403",))
-    with pytest.raises(StorageError, match=f"reading {url}/{gone} .*access denied.*"
-                       "Check the credentials"):
+    with pytest.raises(StorageError, match=f"reading {url}/{gone} bytes [0-9-]+ \\(endpoint "
+                       f"{s3.endpoint_url}\\): access denied.*Check the credentials"):
         reader.read_member(0, "json")
     assert sum(storage.RETRIES.values()) == retried and s3.injected["403"] == 1
     reader.close()

@@ -190,10 +190,13 @@ def _transient(exc: BaseException) -> bool:
                                                   "urllib3", "requests", "asyncio")
 
 
-def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) -> T:
+def retried[T](what: str, call: Callable[[], T], attempts: int | None = None,
+               endpoint: str = "") -> T:
     """``call()``, tried ``attempts`` times (``ATTEMPTS``) on transient faults; StorageError
-    naming ``what`` when it keeps failing, the permanent error itself at once."""
+    naming ``what`` when it keeps failing, the permanent error itself at once; ``endpoint``
+    (``endpoint_of``) said where the credentials or the endpoint may be at fault."""
     attempts = attempts or ATTEMPTS
+    at = f" (endpoint {endpoint})" if endpoint else ""
     for attempt in range(1, attempts + 1):
         try:
             return call()
@@ -216,7 +219,7 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
                         "PartialCredentialsError": "incomplete credentials"}.get(
                             type(exc).__name__, "access denied")
                 raise StorageError(
-                    f"{what}: {said} ({type(exc).__name__}: {exc}). " +
+                    f"{what}{at}: {said} ({type(exc).__name__}: {exc}). " +
                     ("Check" if said == "access denied" else "Give") +
                     " the credentials (the environment's variables, e.g. AWS_ACCESS_KEY_ID and "
                     "AWS_SECRET_ACCESS_KEY, the client's config files, or, for mimo-train, "
@@ -228,7 +231,7 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
                 raise
             if attempt == attempts:
                 raise StorageError(
-                    f"{what}: failed {attempts} times, last with {type(exc).__name__}: "
+                    f"{what}{at}: failed {attempts} times, last with {type(exc).__name__}: "
                     f"{_said(exc)}. Check the endpoint, the credentials and the network"
                     ) from exc
             with _RETRIES_LOCK:
@@ -241,6 +244,17 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
             sys.stderr.flush()
             time.sleep(wait)
     raise AssertionError("unreachable")
+
+
+def endpoint_of(location: str, options: dict) -> str:
+    """The S3 endpoint requests to ``location`` go to, as its storage ``options`` or the
+    environment give it (botocore's order), else AWS's own; "" for other stores."""
+    if location.partition("://")[0] not in ("s3", "s3a"):
+        return ""
+    given = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
+        "endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or \
+        os.environ.get("AWS_ENDPOINT_URL")
+    return str(given) if given else "AWS's own: no endpoint_url given"
 
 
 def _ranges_ignored(read: str) -> RangesIgnored:
@@ -300,8 +314,12 @@ class Remote:
         return {"protocol": self.protocol, "location": self.location, "options": self.options,
                 "_fs": None, "_pid": None}
 
+    def retried[T](self, what: str, call: Callable[[], T]) -> T:
+        """``retried``, its failures naming this store's endpoint."""
+        return retried(what, call, endpoint=endpoint_of(self.location, self.options))
+
     def read(self, url: str) -> bytes:
-        return retried(f"reading {url}", lambda: self.fs.cat_file(url))
+        return self.retried(f"reading {url}", lambda: self.fs.cat_file(url))
 
     def read_range(self, url: str, start: int, size: int) -> bytes:
         """Bytes ``[start, start + size)`` of ``url``: exactly ``size`` of them, or an error."""
@@ -327,7 +345,7 @@ class Remote:
                                       "replaced") from None
                 raise
             return data
-        return retried(f"reading {url} bytes {start}-{start + size}", call)
+        return self.retried(f"reading {url} bytes {start}-{start + size}", call)
 
     def check_ranges(self, url: str, size: int | None = None) -> None:
         """``RangesIgnored`` where the HTTP(S) server of ``url`` (``size`` bytes, where known:
@@ -342,7 +360,7 @@ class Remote:
                 f.seek(1)
                 f.read(1)
         try:
-            retried(f"reading {url} bytes 1-2", call)
+            self.retried(f"reading {url} bytes 1-2", call)
         except ValueError as error:       # fsspec's HTTPFile: "doesn't appear to support
             if "range" not in str(error):   # range requests"
                 raise
@@ -358,7 +376,7 @@ class Remote:
             found: dict[str, dict] = {}
             for folder in sorted({posixpath.dirname(name) for name in names}):
                 where = join(url, folder) if folder else url
-                listed = retried(f"listing {where}", functools.partial(self._listed, where))
+                listed = self.retried(f"listing {where}", functools.partial(self._listed, where))
                 if listed is None:              # listing denied: look each one up instead
                     break
                 found.update({posixpath.join(folder, base): entry
@@ -372,7 +390,7 @@ class Remote:
                     return self._info(join(url, name))
                 except PermissionError:     # S3 answers 403 for an absent key to those who
                     return None             # may not list: absent or unreadable, either way
-            return name, retried(f"looking up {join(url, name)}", call)
+            return name, self.retried(f"looking up {join(url, name)}", call)
         with ThreadPoolExecutor(THREADS) as pool:
             return {name: info for name, info in pool.map(head, names) if info is not None}
 
@@ -403,7 +421,7 @@ class Remote:
             return None
 
     def exists(self, url: str) -> bool:
-        return retried(f"looking up {url}", lambda: self._info(url) is not None)
+        return self.retried(f"looking up {url}", lambda: self._info(url) is not None)
 
     def written(self, url: str) -> tuple[float | None, str | None]:
         """When ``url`` was last written, by the store's clock (seconds since the epoch), and
@@ -421,7 +439,7 @@ class Remote:
             except NotImplementedError:
                 return None, info.get("ETag")
             return when, info.get("ETag")
-        return retried(f"looking up {url}", call)
+        return self.retried(f"looking up {url}", call)
 
     def names(self, url: str) -> list[str]:
         """Names directly under ``url`` (files and prefixes); [] when there are none."""
@@ -430,15 +448,15 @@ class Remote:
                 return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(url, detail=False)]
             except FileNotFoundError:
                 return []
-        return retried(f"listing {url}", call)
+        return self.retried(f"listing {url}", call)
 
     def put(self, path: str, url: str) -> None:
         """Upload the local file ``path`` to ``url`` (one object: readers see all or none)."""
-        retried(f"writing {url}", lambda: self.fs.put_file(path, url))
+        self.retried(f"writing {url}", lambda: self.fs.put_file(path, url))
 
     def write(self, url: str, data: bytes) -> str | None:
         """Write ``url``: its ETag where the store says it (S3), else None."""
-        return _etag(retried(f"writing {url}", lambda: self.fs.pipe_file(url, data)))
+        return _etag(self.retried(f"writing {url}", lambda: self.fs.pipe_file(url, data)))
 
     def create(self, url: str, data: bytes) -> str | None:
         """Write ``url`` only where nothing is there (S3's conditional write, If-None-Match):
@@ -459,7 +477,7 @@ class Remote:
                         type(exc).__name__ == "ParamValidationError"):
                     raise
                 return _etag(self.fs.pipe_file(url, data)) or ""
-        return retried(f"writing {url}", call)
+        return self.retried(f"writing {url}", call)
 
     def replace(self, url: str, data: bytes, etag: str) -> str | None:
         """Write ``url`` only where it is still the object whose ETag is ``etag`` (S3's
@@ -484,7 +502,7 @@ class Remote:
                         type(exc).__name__ == "ParamValidationError":
                     raise NotImplementedError(f"{url}: the client takes no If-Match") from None
                 raise
-        return retried(f"writing {url}", call)
+        return self.retried(f"writing {url}", call)
 
     def remove(self, url: str, recursive: bool = False) -> None:
         def call() -> None:
@@ -492,18 +510,18 @@ class Remote:
                 self.fs.rm(url, recursive=recursive)
             except FileNotFoundError:
                 pass
-        retried(f"removing {url}", call)
+        self.retried(f"removing {url}", call)
 
     def move(self, url: str, to: str) -> None:
         """Move the object ``url`` to ``to`` (in an object store a copy made by the store,
         then the removal)."""
-        retried(f"moving {url} to {to}", lambda: self.fs.mv(url, to))
+        self.retried(f"moving {url} to {to}", lambda: self.fs.mv(url, to))
 
     def fetch(self, url: str, path: str) -> None:
         """Download ``url`` to the local ``path`` atomically."""
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
-            retried(f"reading {url}", lambda: self.fs.get_file(url, tmp))
+            self.retried(f"reading {url}", lambda: self.fs.get_file(url, tmp))
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

@@ -92,7 +92,7 @@ def _list_files(location: str, storage_options: dict | None) -> list[str]:
     if storage.is_remote(location):
         remote = storage.Remote(location, storage_options)
         protocol = location.partition("://")[0]
-        found = storage.retried(f"listing {location}",
+        found = remote.retried(f"listing {location}",
                                 lambda: remote.fs.find(location, detail=False))
         paths = [p if "://" in p else f"{protocol}://{p}" for p in found]
     else:
@@ -115,7 +115,7 @@ def _glob(pattern: str, storage_options: dict | None) -> list[str]:
     if storage.is_remote(pattern):
         remote = storage.Remote(pattern, storage_options)
         protocol = pattern.partition("://")[0]
-        found = storage.retried(f"listing {pattern}", lambda: remote.fs.glob(pattern))
+        found = remote.retried(f"listing {pattern}", lambda: remote.fs.glob(pattern))
         return sorted(p if "://" in p else f"{protocol}://{p}" for p in found)
     return sorted(os.path.abspath(p) for p in glob.glob(storage.local_path(pattern)))
 
@@ -145,7 +145,7 @@ def _a_folder(path: str, storage_options: dict | None) -> bool:
         if path.lower().endswith(".tar"):
             return False
         remote = storage.Remote(path, storage_options)
-        return storage.retried(f"looking at {path}", lambda: bool(remote.fs.isdir(path)))
+        return remote.retried(f"looking at {path}", lambda: bool(remote.fs.isdir(path)))
     return os.path.isdir(storage.local_path(path))
 
 
