@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import json
 import math
 import shutil
 
@@ -426,3 +427,38 @@ def test_a_document_without_its_lists_says_which_and_what_it_is():
             normalize_document(texts, images)
         assert refused.value.reason == "malformed_record"
     assert normalize_document(["A.", None], [None, "moon.jpg"]) == ("A.\n<image>", ["moon.jpg"])
+
+
+def test_an_mmc4_record_not_of_its_form_is_skipped_saying_which_part(tmp_path):
+    """MMC4 records whose sentences or images are not of MMC4's form (a string for the
+    sentences, a sentence that is no string, the images as one object, an image without its
+    file's name, a matched_text_index that is no sentence's: negative, or a boolean) are each
+    skipped ``malformed_record`` naming the part, never read as a document of other text or
+    with an image before another sentence."""
+    image = {"image_name": "chelsea.jpg", "matched_text_index": 0}
+    write_jsonl(tmp_path / "mmc4.jsonl", [
+        {"text_list": "A cat.", "image_info": [image]},
+        {"text_list": ["A cat.", None], "image_info": [image]},
+        {"text_list": ["A cat."], "image_info": image},
+        {"text_list": ["A cat."], "image_info": [{"matched_text_index": 0}]},
+        {"text_list": ["A cat.", "It sleeps."],
+         "image_info": [{**image, "matched_text_index": -1}]},
+        {"text_list": ["A cat.", "It sleeps."],
+         "image_info": [{**image, "matched_text_index": True}]}])
+    build_dataset([tmp_path / "mmc4.jsonl"], tmp_path / "out")
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["samples_written"] == 0 and list(report["skipped_by_reason"]) == [
+        "malformed_record"], report["skipped_by_reason"]
+    skipped = [json.loads(line) for line in
+               (tmp_path / "out" / "skipped.jsonl").read_text().splitlines()]
+    assert {skip["reason"] for skip in skipped} == {"malformed_record"}, skipped
+    details = {int(skip["location"].rpartition(":")[2]): skip["detail"] for skip in skipped}
+    assert details == {
+        1: "MMC4's 'text_list' is a string, not a list of sentences",
+        2: "MMC4 sentence 1 is a null, not a string",
+        3: "MMC4's 'image_info' is an object, not a list of images",
+        4: "MMC4 image 0 has no 'image_name' (its file's name)",
+        5: "MMC4 image 0 (chelsea.jpg) has matched_text_index -1, not the index of one of its "
+           "2 sentences",
+        6: "MMC4 image 0 (chelsea.jpg) has matched_text_index True, not the index of one of "
+           "its 2 sentences"}, details

@@ -930,6 +930,15 @@ def test_chat_template_takes_a_template_or_one_the_tokenizer_names(tmp_path):
     with pytest.raises(ConfigError, match=r"^the configured chat_template is not a template "
                        r"Jinja reads \(TemplateSyntaxError line 1: .*\): mend it"):
         ChatRenderer(broken, load_tokenizer(broken))
+    # the tokenizer's own template broken (no chat_template configured): named as the
+    # tokenizer's, not as a configured one
+    shutil.copytree(tmp_path / "tok", tmp_path / "broken-tok")
+    (tmp_path / "broken-tok" / "chat_template.jinja").write_text(broken.chat_template)
+    own = PreprocessConfig.from_dict({"tokenizer": str(tmp_path / "broken-tok")})
+    with pytest.raises(ConfigError, match=rf"^tokenizer '{re.escape(str(tmp_path))}/broken-tok'"
+                       r"'s chat template is not a template Jinja reads \(TemplateSyntaxError"
+                       r".*branch\), or give one as chat_template$"):
+        ChatRenderer(own, load_tokenizer(own))
 
 
 def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant(tmp_path):

@@ -138,8 +138,9 @@ class ChatRenderer:
                      f"tokenizer {config.tokenizer!r}'s chat template") +
                     f" is not a template Jinja reads ({type(exc).__name__}{where}: {exc}): "
                     "mend it (a {% generation %} block must open and close within the same "
-                    "{% if %} or {% for %} branch), or leave chat_template out to use the "
-                    "tokenizer's own") from None
+                    "{% if %} or {% for %} branch)" + (
+                        ", or leave chat_template out to use the tokenizer's own"
+                        if config.chat_template else ", or give one as chat_template")) from None
             self._skeletons: dict[tuple[str, ...], _Skeleton | None] = {}
             # Proven from the template's syntax: a conversation's text is its skeleton filled
             # with the contents, so jinja runs once per role shape instead of once per sample.

@@ -56,6 +56,12 @@ def json_type(value) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
+def a_json_type(value) -> str:
+    """``json_type`` with its article: "an object", "a string"."""
+    kind = json_type(value)
+    return f"{'an' if kind[:1] in ('a', 'e', 'i', 'o', 'u') else 'a'} {kind}"
+
+
 # Typed content parts that stand for a media item, with its modality: transformers' own
 # (``{"type": "image"}``) and OpenAI's (``image_url``, ``input_audio``; ``video_url`` as vLLM
 # and Qwen's chat servers take it)
@@ -595,7 +601,7 @@ def normalize_document(texts, images) -> tuple[str, list]:
     for name, value in (("texts", texts), ("images", images)):
         if not isinstance(value, (list, tuple)):
             raise RecordError("malformed_record", f"a document's {name!r} is " + (
-                "missing" if value is None else f"a {json_type(value)}") + ": a document "
+                "missing" if value is None else a_json_type(value)) + ": a document "
                 "needs the lists 'texts' and 'images', parallel, one of the two non-null at "
                 "each position (a null in 'images' at each text's, and each image at a null "
                 "of 'texts')")
@@ -613,7 +619,7 @@ def normalize_document(texts, images) -> tuple[str, list]:
                               "at most one of 'texts' and 'images' may be non-null there")
         if text is not None:
             if not isinstance(text, str):
-                raise RecordError("malformed_record", f"text {i} is a {json_type(text)}, "
+                raise RecordError("malformed_record", f"text {i} is {a_json_type(text)}, "
                                   "not a string")
             _utf8(text, f"text {i}")
             _no_markers(text, f"text {i}")
@@ -638,15 +644,15 @@ def mmc4_document(text_list, image_info) -> tuple[list, list]:
     RecordError ``malformed_record`` naming the sentence or image that is not of that form.
     """
     if not isinstance(text_list, list):
-        raise RecordError("malformed_record", f"MMC4's 'text_list' is a {json_type(text_list)}"
+        raise RecordError("malformed_record", f"MMC4's 'text_list' is {a_json_type(text_list)}"
                           ", not a list of sentences")
     for i, sentence in enumerate(text_list):
         if not isinstance(sentence, str):
-            raise RecordError("malformed_record", f"MMC4 sentence {i} is a "
-                              f"{json_type(sentence)}, not a string")
+            raise RecordError("malformed_record", f"MMC4 sentence {i} is "
+                              f"{a_json_type(sentence)}, not a string")
     if not isinstance(image_info, list):
-        raise RecordError("malformed_record", f"MMC4's 'image_info' is a "
-                          f"{json_type(image_info)}, not a list of images")
+        raise RecordError("malformed_record", f"MMC4's 'image_info' is "
+                          f"{a_json_type(image_info)}, not a list of images")
     before: list[list] = [[] for _ in text_list]
     for j, info in enumerate(image_info):
         name = info.get("image_name") if isinstance(info, dict) else None
@@ -689,7 +695,7 @@ def normalize_caption(caption, media: dict[str, list]) -> str:
         raise RecordError("malformed_record", f"a caption pair has exactly one media item, "
                           f"this record {items}")
     if not isinstance(caption, str):
-        raise RecordError("malformed_record", f"the caption is a {json_type(caption)}, "
+        raise RecordError("malformed_record", f"the caption is {a_json_type(caption)}, "
                           "not a string")
     _utf8(caption, "the caption")
     _no_markers(caption, "the caption")
