@@ -717,14 +717,18 @@ def test_plan_of_a_vlm_s_training_yaml_checks_its_preprocessing_as_the_trainer(
         capsys, loader_corpus, tmp_path):
     """``plan --model TRAIN.yaml`` of a whole VLM: the preprocessing checked against the
     checkpoint as the trainer's start-up checks it (a patch size another than its tower's is
-    refused, not planned with wrong token counts); its own is planned."""
+    refused, not planned with wrong token counts, and a normalization other than its saved
+    processor's); its own is planned."""
     from mimo_train.families.registry import preprocessing_for
     from mimo_train.inspect_cli import main
     checkpoint = MODELS / "tiny-qwen2-vl"
     own = preprocessing_for(str(checkpoint))
     other = {**own, "modalities": {name: {**settings, "patch_size": 16}
                                    for name, settings in own["modalities"].items()}}
-    for name, config in (("own", own), ("other", other)):
+    # images normalized otherwise than the tower's saved processor does
+    meaned = {**own, "modalities": {**own["modalities"], "image": {
+        **own["modalities"]["image"], "mean": [0.5] * 3, "std": [0.5] * 3}}}
+    for name, config in (("own", own), ("other", other), ("meaned", meaned)):
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(config))
         (tmp_path / f"train-{name}.yaml").write_text(yaml.safe_dump({
             "model": {"pretrained": str(checkpoint)},
@@ -741,6 +745,13 @@ def test_plan_of_a_vlm_s_training_yaml_checks_its_preprocessing_as_the_trainer(
     code, out, err = _run(capsys, main, "plan", loader_corpus, "--model",
                           tmp_path / "train-own.yaml", "--layout", layout)
     assert code == 0 and "valid" in out, err
+    # the tower's saved processor normalizing otherwise: refused as the trainer's start-up
+    # refuses it, before any tower is built
+    code, _, err = _run(capsys, main, "plan", loader_corpus, "--model",
+                        tmp_path / "train-meaned.yaml", "--layout", layout)
+    assert code == 2 and f"mimo-train refuses it for --model {tmp_path / 'train-meaned.yaml'}" \
+        in err and "encoder module 'image': the image processor saved in" in err and \
+        "preprocesses differently: image_mean" in err, err
     # what the trainer's config phase refuses beyond the plan itself: refused here too, by
     # the layout's check and by the advisor (it ranked such runs and printed their command)
     base = yaml.safe_load((tmp_path / "train-own.yaml").read_text())

@@ -467,7 +467,10 @@ def test_parquet_bad_row_is_reported_by_row_number(tmp_path, assets):
     write_jsonl(tmp_path / "exported.jsonl", [
         {"id": "text", "image": str(assets["png"]),
          "conversations": json.dumps(chat("<image>\nImage?", "Answer."))},
-        {"id": "broken", "conversations": '[{"from": "human", "value": "Hi"'}])
+        {"id": "broken", "conversations": '[{"from": "human", "value": "Hi"'},
+        {"id": "pair", "conversations": json.dumps([{"from": "human", "value": "Hi?"}]),
+         "chosen": {"from": "gpt", "value": "Hello."},
+         "rejected": {"from": "gpt", "value": "Go."}}])
     build_dataset([tmp_path / "exported.jsonl"], tmp_path / "exported")
     [(record, _)] = _samples_by_id(tmp_path / "exported").values()
     assert [(m["role"], m["content"]) for m in record["messages"]] == [
@@ -476,6 +479,10 @@ def test_parquet_bad_row_is_reported_by_row_number(tmp_path, assets):
         "malformed_json"]["first"]
     assert broken["detail"].startswith("its 'conversations' holds a string that opens a JSON "
                                        "list but is no valid JSON ("), broken
+    # as JSON text too, a preference pair's conversation is refused as such, not trained
+    [pair] = read_json(tmp_path / "exported" / "report.json")["skipped_by_reason"][
+        "malformed_record"]["first"]
+    assert pair["detail"].startswith("'chosen' and 'rejected' beside a conversation"), pair
 
 
 def _manifest_lines(corpus):

@@ -714,6 +714,9 @@ def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data, tmp
                        r"\(ours: modalities.audio.sample_rate 8000\)"):
         ENCODERS["whisper"].check_processor(whisper, dataclasses.replace(audio,
                                                                          sample_rate=8000))
+    with pytest.raises(EncoderBuildError, match=r"preprocesses differently: hop_length 160 "
+                       r"\(ours: modalities.audio.hop_length 320\)"):
+        ENCODERS["whisper"].check_processor(whisper, dataclasses.replace(audio, hop_length=320))
 
 
 def test_a_tp_size_the_heads_cannot_split_into_is_refused(vlm_data):
