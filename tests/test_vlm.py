@@ -711,7 +711,8 @@ def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data, tmp
     whisper = str(REPO / "assets" / "models" / "tiny-whisper")
     ENCODERS["whisper"].check_processor(whisper, audio)
     with pytest.raises(EncoderBuildError, match=r"preprocesses differently: sampling_rate 16000 "
-                       r"\(ours: modalities.audio.sample_rate 8000\)"):
+                       r"\(ours: modalities.audio.sample_rate 8000\): .*align the "
+                       r"preprocessing config: set modalities.audio.sample_rate: 16000$"):
         ENCODERS["whisper"].check_processor(whisper, dataclasses.replace(audio,
                                                                          sample_rate=8000))
     with pytest.raises(EncoderBuildError, match=r"preprocesses differently: hop_length 160 "

@@ -131,14 +131,19 @@ def check_preprocessor(pretrained: str | None, expected: dict[str, tuple[str, An
     if found is None:
         return
     where, saved = found
-    wrong = [f"{field} {saved[field]} (ours: {key} {value})"
-             for field, (key, value) in expected.items() if field in saved and not (
-                 np.shape(saved[field]) == np.shape(value)
-                 and np.allclose(saved[field], value, rtol=0, atol=1e-6))]
-    if wrong:
+    differ = [(field, key, value) for field, (key, value) in expected.items()
+              if field in saved and not (np.shape(saved[field]) == np.shape(value)
+                                         and np.allclose(saved[field], value, rtol=0,
+                                                         atol=1e-6))]
+    if differ:
+        wrong = [f"{field} {saved[field]} (ours: {key} {value})" for field, key, value in differ]
+        # the config's own keys (not a constant of mimo's, "the uint8 scale")
+        settable = [f"{key}: {saved[field]}" for field, key, _ in differ
+                    if key.startswith("modalities.")]
         raise EncoderBuildError(f"{where} preprocesses differently: {'; '.join(wrong)}: the "
                                 "encoder would see other inputs than it was trained on; align "
-                                "the preprocessing config")
+                                "the preprocessing config" + (
+                                    f": set {'; '.join(settable)}" if settable else ""))
 
 
 def check_fixed_geometry(image_size: int, patch_size: int, image: ImageConfig,
