@@ -47,12 +47,15 @@ DYNAMIC_IMAGE = yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text(
 
 @pytest.fixture(scope="module")
 def preprocess(tmp_path_factory) -> dict:
-    """Preprocessing configs: image + audio (the default; with M-RoPE positions), image only
-    (dynamic resolution), image only (fixed 28 px, 4 tokens per image)."""
+    """Preprocessing configs: image + audio (the default; with M-RoPE positions; with audio at
+    8 kHz), image only (dynamic resolution), image only (fixed 28 px, 4 tokens per image)."""
     tmp = tmp_path_factory.mktemp("startup-preprocess")
     mrope = preprocess_config_file(tmp / "p_mrope.yaml")
     mrope.write_text(yaml.safe_dump({**yaml.safe_load(mrope.read_text()), "positions": "mrope"}))
-    return {"default": preprocess_config_file(tmp / "p.yaml"), "mrope": mrope,
+    modalities = yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())["modalities"]
+    audio8k = preprocess_config_file(tmp / "p_8k.yaml", **{
+        **modalities, "audio": {**modalities["audio"], "sample_rate": 8000}})
+    return {"default": preprocess_config_file(tmp / "p.yaml"), "mrope": mrope, "audio8k": audio8k,
             "image": preprocess_config_file(tmp / "p_image.yaml", image=DYNAMIC_IMAGE),
             "fixed": preprocess_config_file(tmp / "p_fixed.yaml", image={
                 "policy": "fixed", "image_size": 28, "patch_size": 14})}
@@ -242,6 +245,12 @@ CASES = [
     ("model.encoders names a module the layout lacks", "default",
      ["model.encoders.foo.hidden_size=16"], "config",
      ["model.encoders has foo,", "does not name", "use its encoder modules"]),
+    ("a pretrained audio encoder whose saved processor samples at another rate", "audio8k",
+     [f"model.encoders.audio.pretrained={REPO / 'assets' / 'models' / 'tiny-whisper'}"],
+     "config",
+     ["encoder module 'audio': the audio processor saved in ",
+      "preprocesses differently: sampling_rate 16000 (ours: modalities.audio.sample_rate 8000)",
+      "set modalities.audio.sample_rate: 16000"]),
     ("pretrained encoder path does not exist", "default",
      ["model.encoders.image.pretrained=/nonexistent"], "config",
      ["model.encoders.image.pretrained", "/nonexistent"]),
