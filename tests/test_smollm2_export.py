@@ -199,6 +199,14 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
         f"{smollm2.checkpoint.parent}: a run's checkpoint.keep_last removes it with the step; " \
         "export to a folder of its own" in capsys.readouterr().err
     assert not inside.parent.exists()
+    # a checkpoint.dir without its latest (a copy of its steps alone): its complete steps say
+    # what it is
+    (tmp_path / "steps").mkdir()
+    (tmp_path / "steps" / smollm2.checkpoint.name).symlink_to(smollm2.checkpoint)
+    inside = tmp_path / "steps" / smollm2.checkpoint.name / "hf"
+    assert main(["--checkpoint", str(smollm2.checkpoint), "--output", str(inside)]) == 2
+    assert f"--output {inside} is inside {inside.parent}, a step of the checkpoint.dir " \
+        f"{tmp_path / 'steps'}" in capsys.readouterr().err and not inside.exists()
     (tmp_path / "afile").write_text("in the way\n")          # a file where a folder goes
     assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
                  str(tmp_path / "afile" / "export")]) == 2
