@@ -47,9 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="training config YAML (see mimo_train/config/ and "
                         "configs/train/)")
     parser.add_argument("--preprocessing-for", type=user_path, metavar="VLM",
-                        help="print the preprocessing config YAML that writes images as the "
-                        "whole VLM at this directory (its config.json, or a cached hub name) "
-                        "expects, and exit")
+                        help="print the preprocessing config YAML that writes images (and "
+                        "videos) as the whole VLM at this directory (its config.json, or a "
+                        "cached hub name) expects, and exit")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value",
                         help="config overrides, values parsed as YAML, e.g. train.steps=50 "
                         "checkpoint.dir=runs/x")

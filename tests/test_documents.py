@@ -462,3 +462,10 @@ def test_an_mmc4_record_not_of_its_form_is_skipped_saying_which_part(tmp_path):
            "2 sentences",
         6: "MMC4 image 0 (chelsea.jpg) has matched_text_index True, not the index of one of "
            "its 2 sentences"}, details
+    # a marker typed in a sentence: named by its index in text_list (the document's pieces
+    # hold the images before it too)
+    from mimo_data.shards.records import RecordError, mmc4_document
+    with pytest.raises(RecordError, match=r"^MMC4 sentence 1 holds the marker\(s\) "
+                       r"\['<image>'\]") as refused:
+        mmc4_document(["Plain.", "Has <image> typed.", "End."], [image, image])
+    assert refused.value.reason == "marker_mismatch"

@@ -231,3 +231,8 @@ def test_info_text_names_the_counts(capsys, corpus_build, corpus_expected):
     import re
     summaries = [line for line in first if " p90 " in line]
     assert summaries and not any(re.search(r"\d\.\d{3}", line) for line in summaries), first
+    # a modality's total duration in minutes, under one minute in seconds (not "0.0 min")
+    total = sum(soundfile.info(io.BytesIO(a)).duration for r in corpus_expected for a in r.audios)
+    [audio] = [line for line in first if line.startswith("audio ")]
+    assert audio.endswith(f", {total / 60:.1f} min" if total >= 60 else f", {total:.1f} s"), \
+        (audio, total)

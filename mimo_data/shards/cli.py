@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
 
     b = commands.add_parser("build", help="turn raw datasets into indexed WebDataset shards")
     b.add_argument("inputs", type=user_path, nargs="+", metavar="INPUT",
-                   help="LLaVA/ShareGPT .json/.jsonl, .parquet, or speech manifest .jsonl")
+                   help="LLaVA/ShareGPT .json/.jsonl, .parquet, speech manifest .jsonl, "
+                   "interleaved documents (OBELICS / MMC4 .jsonl) or caption pairs")
     b.add_argument("--output", "-o", type=user_path, required=True,
                    help="dataset directory or URL (s3://bucket/prefix, any fsspec URL) to create")
     b.add_argument("--name", type=_shard_name, default="data",

@@ -132,7 +132,9 @@ def format_info(info: dict) -> str:
                          f"{'s' if counts['samples'] != 1 else ''}")
             continue
         stats = info.get(name, {})
-        total = (f", {stats['total_hours'] * 60:.1f} min" if "total_hours" in stats else "")
+        total = "" if "total_hours" not in stats else \
+            f", {stats['total_hours'] * 60:.1f} min" if stats["total_hours"] >= 1 / 60 else \
+            f", {stats['total_hours'] * 3600:.1f} s"
         lines.append(f"{name:<9} {counts['items']} items in {counts['samples']} samples{total}")
         if "width" in stats:
             lines += [f"  width     {_fmt(stats['width'], 'px')}",

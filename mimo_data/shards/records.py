@@ -650,6 +650,9 @@ def mmc4_document(text_list, image_info) -> tuple[list, list]:
         if not isinstance(sentence, str):
             raise RecordError("malformed_record", f"MMC4 sentence {i} is "
                               f"{a_json_type(sentence)}, not a string")
+        # said by its index in text_list (the document's pieces hold the images' too)
+        _utf8(sentence, f"MMC4 sentence {i}")
+        _no_markers(sentence, f"MMC4 sentence {i}")
     if not isinstance(image_info, list):
         raise RecordError("malformed_record", f"MMC4's 'image_info' is "
                           f"{a_json_type(image_info)}, not a list of images")

@@ -371,11 +371,11 @@ class ConversationFile:
             records = json.loads(Path(self.path).read_bytes().decode("utf-8-sig"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             what = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else "not valid JSON"
-            raise SourceError(f"{self.path}: {what} ({exc}); fix it, or "
-                              "convert it to JSONL so that bad records can be skipped "
-                              "one by one (a .json file of one object per line is read as "
-                              "JSONL when its first line is a whole object; else name it "
-                              ".jsonl)") from None
+            raise SourceError(f"{self.path}: {what} ({exc}); fix it, or convert it to JSONL "
+                              "so that bad records can be skipped one by one (one object a "
+                              "line, its first character no '[', which reads as a JSON "
+                              "list whatever the file's name; e.g. jq -c '.[]' FILE > "
+                              "records.jsonl, where jq reads it)") from None
         if not isinstance(records, list):
             inside = [key for key, value in records.items() if isinstance(value, list)] \
                 if isinstance(records, dict) else []
