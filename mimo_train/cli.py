@@ -101,7 +101,7 @@ def _main(args, parser: argparse.ArgumentParser) -> int:
     from mimo_train.runtime.preemption import StartupSignal, before_training
     try:
         with before_training(cfg.train.exit_signals):
-            trainer = train(plan, args.records)
+            trainer = train(plan, args.records, launcher.started())
         if trainer.failure:             # too many skipped steps (components/anomalies.py)
             console.torchrun_error_file(trainer.failure)    # every rank: the same failure
             return 1

@@ -4,6 +4,7 @@ alone: no torch import, so a refusal comes before the seconds it takes."""
 from __future__ import annotations
 
 import os
+import time
 
 
 def unjoined_tasks() -> str | None:
@@ -21,3 +22,18 @@ def unjoined_tasks() -> str | None:
             "--nproc-per-node GPUS --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id "
             "$SLURM_JOB_ID -m mimo_train ... (docs/long-runs.md); for runs of their own, one a "
             "task, on purpose, unset SLURM_STEP_NUM_TASKS")
+
+
+def started() -> float:
+    """The ``time.monotonic()`` at which this process started, from Linux's ``/proc`` (now
+    where it cannot be read): what ``train.exit_duration_minutes`` counts from, the imports
+    and launch before any of mimo's code ran included."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            # the fields after the command's name, ")": state is field 3, starttime field 22
+            started = int(stat.read().rpartition(")")[2].split()[19])
+            now = float(uptime.read().split()[0])
+        age = max(0.0, now - started / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        age = 0.0
+    return time.monotonic() - age

@@ -19,8 +19,9 @@ the others in the agreement's all-reduce only until ``train.collective_timeout_m
 
 A time limit of the run's own, ``train.exit_duration_minutes`` (megatron-LM's
 ``--exit-duration-in-mins``), rides on the same agreement: once it has passed on any rank, all
-stop after the same step, save, and exit 0. It counts from the rank's process start
-(``deadline``): its imports count, as they do against the job's limit.
+stop after the same step, save, and exit 0. Under ``mimo-train`` it counts from the rank's
+process start (``deadline``, ``launcher.started``): its imports count, as they do against the
+job's limit.
 
 Under ``torchrun``, a signal to the agent (SIGTERM, SIGINT, SIGHUP, SIGQUIT) reaches every
 worker as the same signal; torchrun kills them 30 s later, so the step in progress and the save
@@ -124,23 +125,13 @@ def _watch(reading: int, numbers: frozenset[int], raised: list[float]) -> None:
         os.close(reading)
 
 
-def process_age_s() -> float:
-    """Seconds since this process started, from Linux's ``/proc`` (0 where it cannot be read):
-    the imports and launch before any of mimo's code ran."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
-            # the fields after the command's name, ")": state is field 3, starttime field 22
-            started = int(stat.read().rpartition(")")[2].split()[19])
-            now = float(uptime.read().split()[0])
-        return max(0.0, now - started / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def deadline(minutes: float) -> float | None:
+def deadline(minutes: float, started: float | None = None) -> float | None:
     """The ``time.monotonic()`` at which ``train.exit_duration_minutes`` ``minutes`` (0: none)
-    have passed since this process started; None for none."""
-    return time.monotonic() + 60 * minutes - process_age_s() if minutes else None
+    have passed since ``started`` (a ``time.monotonic()``: ``mimo-train``'s process start,
+    ``launcher.started``; None: now); None for none."""
+    if not minutes:
+        return None
+    return (time.monotonic() if started is None else started) + 60 * minutes
 
 
 def signal_number(name: str) -> int:

@@ -81,14 +81,16 @@ def _raise(error: Exception | None) -> None:
 class Trainer:
     """Everything one rank holds for training; ``run()`` trains to ``train.steps``."""
 
-    def __init__(self, plan: RunPlan, records: str | None = None):
+    def __init__(self, plan: RunPlan, records: str | None = None,
+                 started: float | None = None):
         """``records``: the JSON-lines file every record goes to as it is read (``--records``;
-        appended to when the run resumes a checkpoint)."""
+        appended to when the run resumes a checkpoint); ``started``: the ``time.monotonic()``
+        ``train.exit_duration_minutes`` counts from (``mimo-train``: its process's start, so
+        imports and start-up count, as against the job's limit; None: now)."""
         self.plan, self.cfg = plan, plan.config
         cfg = self.cfg
         start = time.perf_counter()
-        # from the process's start: imports and start-up count, as against the job's limit
-        self.deadline = deadline(cfg.train.exit_duration_minutes)
+        self.deadline = deadline(cfg.train.exit_duration_minutes, started)
         self.device, problem = devices.select(cfg.train.device, devices.probe())
         timeout = timedelta(minutes=cfg.train.collective_timeout_minutes)
         kinds = distributed.init(self.device, timeout)
@@ -739,11 +741,12 @@ class Trainer:
             say(f"{PREFIX}checkpoint {directory}" + (" complete" if background else ""))
 
 
-def train(plan: RunPlan, records: str | None = None) -> Trainer:
-    """Build the trainer on this rank and train (``records``: ``Trainer``'s); returns it (its
-    ``metrics.records``, and ``stopped_by`` / ``failure`` when the run stopped early)."""
+def train(plan: RunPlan, records: str | None = None, started: float | None = None) -> Trainer:
+    """Build the trainer on this rank and train (``records``, ``started``: ``Trainer``'s);
+    returns it (its ``metrics.records``, and ``stopped_by`` / ``failure`` when the run
+    stopped early)."""
     cfg = plan.config
-    trainer = Trainer(plan, records)
+    trainer = Trainer(plan, records, started)
     trainer.run()
     if cfg.checkpoint.dir:
         latest = checkpoint_folders.latest(cfg.checkpoint.dir)
