@@ -1970,7 +1970,8 @@ def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path,
     later = tar.stat().st_mtime_ns + 10**9
     os.utime(tar, ns=(later, later))
     with pytest.raises(DatasetError, match=rf"pairs-000001.tar: sample {key} member {key}.txt: "
-                       r"its bytes changed .*index the tars again where they are now"):
+                       r"its bytes changed since its indexing .*index the tars again where "
+                       r"they are now"):
         ShardReader(str(tmp_path / "idx")).check_shards()
     # mimo-inspect sample shows the index's text: it checks the tars first, as a run does
     from mimo_data.inspect.cli import main as inspect_main
@@ -2006,6 +2007,28 @@ def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path,
                        r"its bytes changed"):
         ShardReader(str(tmp_path / "idx")).check_shards()
     flip_byte(tar, offset)
+    # a cache that takes no table (read-only): the text is read once all the same, said once
+    import errno
+
+    from mimo_data.shards import cache
+    os.utime(tar, ns=(later + 2 * 10**9, later + 2 * 10**9))
+    write_table, refused = cache.write_table, []
+
+    def read_only(path, *args):
+        if not refused:
+            refused.append(path)
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        write_table(path, *args)
+    monkeypatch.setattr(cache, "write_table", read_only)
+    read_member, read = ShardReader.read_member, []
+    monkeypatch.setattr(ShardReader, "read_member",
+                        lambda self, *member: read.append(member) or read_member(self, *member))
+    capsys.readouterr()
+    ShardReader(str(tmp_path / "idx")).check_shards()
+    said = capsys.readouterr().err
+    assert refused and said.count("samples' text to check it") == 1, said
+    assert len(read) == len(set(read)) == reader.table.shard_sizes()[0] * 2, read
+    monkeypatch.undo()
     index = json.loads((tmp_path / "idx" / "index.json").read_text())
     for shard in index["shards"]:
         del shard["version"]

@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from mimo_data.shards import cache, storage
-from mimo_data.shards.format import RECORDS_FILE, ShardRecord
+from mimo_data.shards.format import INDEXED_VERSION, RECORDS_FILE, ShardRecord
 from mimo_data.shards.index import (DatasetError, check_complete, index_bytes, parse_index,
                                     remake, shard_root)
 from mimo_data.shards.record_table import RecordTable
@@ -126,23 +126,33 @@ class ShardReader:
         labels = cache.Labels("checked", build_digest(self.index, self.directory, self.remote),
                               about=f"{len(versions)} tars' text read since their indexing")
 
+        checked: list[bool] = []
+
         def check(path: str) -> None:
-            wanted = set(versions)      # (a tar of no kept sample has no id in the table)
-            ids = [i for i, name in enumerate(self.table.shard_names) if name in wanted]
-            positions = np.flatnonzero(np.isin(self.table.shard_ids, ids)).tolist()
-            named = ", ".join(sorted(versions)[:3]) + (
-                f" and {len(versions) - 3} more" if len(versions) > 3 else "")
-            if positions:
-                tars = f"{len(versions)} tars were" if len(versions) > 1 else "1 tar was"
-                print(f"mimo: {self.directory}: {tars} written again since their indexing "
-                      f"({named}; a copy?): reading their {len(positions)} "
-                      "samples' text to check it against the index's, once", file=sys.stderr,
-                      flush=True)
-            self._check_samples(positions)
+            # (called again where the cache takes no table: then written elsewhere alone)
+            if not checked:
+                self._check_tars(versions)
+                checked.append(True)
             cache.write_table(path, pa.table({"tar": list(versions), "version": list(
                 versions.values())}), key, labels)
         cache.obtain(self.directory, f"checked-{key[:16]}.arrow", key, labels, check,
                      self.cache_dir)
+
+    def _check_tars(self, versions: dict[str, str | None]) -> None:
+        """Every member but the media of the samples of the tars ``versions`` names, read and
+        checked, said on stderr."""
+        wanted = set(versions)          # (a tar of no kept sample has no id in the table)
+        ids = [i for i, name in enumerate(self.table.shard_names) if name in wanted]
+        positions = np.flatnonzero(np.isin(self.table.shard_ids, ids)).tolist()
+        named = ", ".join(sorted(versions)[:3]) + (
+            f" and {len(versions) - 3} more" if len(versions) > 3 else "")
+        if positions:
+            tars = f"{len(versions)} tars were" if len(versions) > 1 else "1 tar was"
+            print(f"mimo: {self.directory}: {tars} written again since "
+                  f"{'their' if len(versions) > 1 else 'its'} indexing ({named}; a copy?): "
+                  f"reading their {len(positions)} samples' text to check it against the "
+                  "index's, once", file=sys.stderr, flush=True)
+        self._check_samples(positions)
 
     def _check_samples(self, positions: list[int]) -> None:
         """Every member but the media of the samples at ``positions``, read and checked."""
@@ -244,7 +254,9 @@ class ShardReader:
         key = self.table.key(position)
         raise DatasetError(
             f"{storage.join(self.shard_root, shard)}: sample {key} member {key}.{name}: its "
-            f"bytes changed since the build (crc32 differs from samples.parquet, read twice); "
+            f"bytes changed since "
+            f"{'its indexing' if self.index.get('version') == INDEXED_VERSION else 'the build'}"
+            f" (crc32 differs from samples.parquet, read twice); "
             f"run `mimo-shard verify {self.directory}` to list every damaged member, then "
             f"restore the shard from its source or {remake(self.index)}")
 
