@@ -1516,8 +1516,8 @@ def test_a_tar_whose_keys_members_are_apart_is_said_to_be_so(corpus_photos, tmp_
     code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 2 and "apart.tar: the members of one key are apart (key '0' comes back " \
-        "after other keys, with other members)" in err and "tar -cf x.tar --sort=name -C " \
-        "FOLDER ." in err, err
+        "after other keys, with none of its members before)" in err and "tar -cf x.tar " \
+        "--sort=name -C FOLDER ." in err, err
     # tar cf in a folder's listing order: one whole sample first decides a layout (pairs),
     # and the others' members apart are still refused, not indexed as skipped halves
     write_tar(tmp_path / "listed" / "apart.tar", {
@@ -1526,7 +1526,16 @@ def test_a_tar_whose_keys_members_are_apart_is_said_to_be_so(corpus_photos, tmp_
     code, _, err = cli_main(capsys, "index", tmp_path / "listed", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 2 and "apart.tar: the members of one key are apart (key '0' comes back " \
-        "after other keys, with other members)" in err, err
+        "after other keys, with none of its members before)" in err, err
+    # a sample written again further on with a member more (tar rf): a duplicate, counted,
+    # not halves apart
+    write_tar(tmp_path / "again" / "a.tar", {"a.jpg": photo, "a.txt": b"A.", "b.jpg": photo,
+                                             "b.txt": b"B.", "c.jpg": photo, "c.txt": b"C."})
+    write_tar(tmp_path / "again" / "a.tar", {"a.jpg": photo, "a.txt": b"A again.",
+                                             "a.json": b"{}"}, append=True)
+    code, _, err = cli_main(capsys, "index", tmp_path / "again", "--output",
+                            tmp_path / "idx-again", "--workers", "0", "--no-progress")
+    assert code == 0 and "duplicate_key 1" in err, err
     # more samples than detection reads: each of them one jpg
     write_tar(tmp_path / "many" / "apart.tar", {
         **{f"{n}.jpg": photo for n in range(20)}, **{f"{n}.txt": b"A." for n in range(20)}})

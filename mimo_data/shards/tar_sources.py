@@ -395,10 +395,11 @@ def energon_above(folders: Iterable[str], storage_options: dict | None) -> str |
 def _head(root: str, names: list[str], storage_options: dict | None
           ) -> tuple[str, list[dict[str, bytes]], list[str]]:
     """The first tar of ``names`` that holds a sample, its first samples' members (up to
-    ``DETECT_SAMPLES``) and the keys met twice among them with other members each time (a
-    tar whose members of one key are not together; a whole sample twice is a duplicate,
-    counted as such); an empty tar first, or one cut short in its first member, decides
-    nothing. ("", [], []) where none holds one."""
+    ``DETECT_SAMPLES``) and the keys met twice among them with no member in common (a tar
+    whose members of one key are not together, its halves apart; a sample twice, written
+    again with a member more, say, is a duplicate, counted as such); an empty tar first, or
+    one cut short in its first member, decides nothing. ("", [], []) where none holds
+    one."""
     for name in names:
         head: list[dict[str, bytes]] = []
         runs: dict[str, set[frozenset[str]]] = {}       # key -> the suffixes of each run
@@ -412,7 +413,8 @@ def _head(root: str, names: list[str], storage_options: dict | None
             except NotATarError as exc:
                 raise IndexInputError(f"{storage.join(root, name)}: {exc}") from None
         if head:
-            return name, head, sorted(key for key, held in runs.items() if len(held) > 1)
+            return name, head, sorted(key for key, held in runs.items() if any(
+                not one & other for one in held for other in held if one is not other))
     return "", [], []
 
 
@@ -460,7 +462,7 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
         if split:               # whatever the samples read whole say of the layout
             raise IndexInputError(f"{storage.join(root, first)}: the members of one key are "
                                   f"apart (key {split[0]!r} comes back after other keys, with "
-                                  f"other members): {rewrite}")
+                                  f"none of its members before): {rewrite}")
         if not layout and len(lone) == 1:
             suffix = lone.pop()
             raise IndexInputError(f"{storage.join(root, first)}: each of its first {len(head)} "
