@@ -507,6 +507,19 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
                        r"answer at all \(it leaves the assistant's turns out\?\)") as dropped:
         Preprocessor(config(chat_template=silent), with_media=False)(record)
     assert dropped.value.reason == "template_mismatch"
+    # one that writes an earlier answer otherwise (its reasoning left out, as Qwen3's does):
+    # not said to write none
+    hiding = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == "
+              "'assistant' and not loop.last %}{{ m['content'].split('</think>')[-1] }}"
+              "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    thinking = copy.deepcopy(record)
+    first = next(m for m in thinking["messages"] if m["role"] == "assistant")
+    first["content"] = "<think>hmm</think>" + first["content"]
+    with pytest.raises(SampleDropped, match="does not render turn \\d+ as an extension of the "
+                       "turns before it") as dropped:
+        Preprocessor(config(chat_template=hiding), with_media=False)(thinking)
+    assert dropped.value.reason == "template_mismatch"
 
 
 def test_template_that_changes_contents_masks_what_it_renders(records, reference_tokenizer):

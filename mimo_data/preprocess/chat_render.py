@@ -338,8 +338,9 @@ class ChatRenderer:
             after = text if i == len(messages) - 1 else self._render(messages[:i + 1],
                                                                      tools=tools)
             if not (after.startswith(before) and text.startswith(after)):
-                content = message.get("content")
-                if isinstance(content, str) and content.strip() and content not in text:
+                # the turn adds nothing to the conversation before it: its answer not written
+                if self._render(messages[:i + 1], tools=tools) == \
+                        self._render(messages[:i], tools=tools):
                     raise TextError("template_mismatch", f"the chat template does not write "
                                     f"turn {i}'s answer at all (it leaves the assistant's "
                                     "turns out?): nothing of it could be trained; give a "
