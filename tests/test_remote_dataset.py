@@ -614,7 +614,8 @@ def test_a_read_that_keeps_failing_raises_storage_error_naming_the_shard(
     reader.close()
 
 
-def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store, monkeypatch):
+def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store, monkeypatch,
+                                                                   tmp_path):
     """Training's start-up tells a bucket that does not exist from a dataset not built yet;
     a credentials profile that does not exist, or no credentials at all, is no fault a retry
     mends."""
@@ -640,8 +641,13 @@ def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store, mon
         # else AWS's own
         assert f"(endpoint {s3.endpoint_url}): no credentials found" in str(refused.value)
         assert storage.endpoint_of("s3://b/x", {}) == "AWS's own: no endpoint_url given"
+        (tmp_path / "aws-config").write_text("[default]\nendpoint_url = http://ceph:7480\n")
+        env.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+        assert storage.endpoint_of("s3://b/x", {}) == "http://ceph:7480"
         env.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
         assert storage.endpoint_of("s3://b/x", {}) == "http://minio:9000"
+        env.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+        assert storage.endpoint_of("s3://b/x", {}).startswith("AWS's own")
         assert storage.endpoint_of("s3://b/x", {"endpoint_url": "http://a"}) == "http://a"
         assert storage.endpoint_of("gs://b/x", {}) == ""
     assert sum(storage.RETRIES.values()) == retried

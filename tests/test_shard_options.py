@@ -317,8 +317,13 @@ def test_inputs_that_cannot_be_what_was_meant_are_refused(capsys, tmp_path, smal
         code, _, err = cli_main(capsys, "build", bare, "-o", out, "--no-progress", *flags)
         assert code == 0 and (said is None) == ("missing_media" not in err), err
         if said is not None:
-            assert f"warning: 1 of the 2 record(s) read were skipped as missing_media: {said}" \
-                in err, err
+            assert f"warning: 1 of the 2 record(s) read were skipped as missing_media, their " \
+                f"files not found: {said}" in err, err
+    # media given as URLs (mimo downloads none): their own detail says so, no --media-root
+    urls = write_jsonl(tmp_path / "bare" / "urls.jsonl",
+                       [{**image, "image": "https://example.com/a.jpg"}, text])
+    code, _, err = cli_main(capsys, "build", urls, "-o", tmp_path / "urls", "--no-progress")
+    assert code == 0 and "missing_media" in err and "--media-root" not in err, err
     # a shard name that is no file name's start; a --seed that nothing would use
     for name in ("a/b", "", ".hidden"):
         with pytest.raises(SystemExit) as stopped:

@@ -38,7 +38,7 @@ from mimo_data.files import write_atomic
 from mimo_data.shards.index import dumps
 from mimo_data.modalities import MODALITIES
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
-from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
+from mimo_data.shards.validate import RELATIVE_PATHS, MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (CLAIM_FILE, CLAIM_PROBE, FORMAT_NAME, FORMAT_VERSION,
@@ -234,14 +234,14 @@ class _InputCounts:
             if not written]
 
 
-def _media_root_hint(report: Tally, media_root: str | None) -> str:
-    """A warning where half the records read or more were skipped as ``missing_media``: their
-    paths likely relative to another folder than the one they are read against."""
-    missing = report.skipped.get("missing_media", {}).get("count", 0)
-    if not missing or 2 * missing < report.seen:
+def _media_root_hint(missing: int, read: int, media_root: str | None) -> str:
+    """A warning where half the records ``read`` or more were skipped as ``missing_media``
+    for a local file not found (``missing`` of them; not URLs): their paths likely relative
+    to another folder than the one they are read against."""
+    if not missing or 2 * missing < read:
         return ""
-    return (f"warning: {missing} of the {report.seen} record(s) read were skipped as "
-            "missing_media: " + (f"are their media paths relative to --media-root "
+    return (f"warning: {missing} of the {read} record(s) read were skipped as missing_media, "
+            "their files not found: " + (f"are their media paths relative to --media-root "
                                  f"{media_root}? (skipped.jsonl names each path looked for)"
                                  if media_root else "their media paths are read relative to "
                                  "each input file's folder: where they are relative to "
@@ -484,6 +484,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         report = Tally("records_read", "samples_written", "records_skipped",
                        every_skip=every_skip)
         per_input = _InputCounts(list(inputs))
+        not_found = 0               # missing_media skips of local files not found
         shards = ShardSet(staging, options.name, options.max_samples_per_shard,
                           options.max_shard_bytes, shard_done)
         table = _SamplesTable(os.path.join(staging, SAMPLES_FILE))
@@ -508,6 +509,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
                     raise StrictStop(f"{result.location}: {result.reason}: {result.detail} "
                                      "(--strict stops at the first bad record)")
                 report.skip(result.reason, result.location, result.detail, result.id)
+                not_found += result.reason == "missing_media" and RELATIVE_PATHS in result.detail
                 continue
             if result.id is not None:
                 seen_ids.add(result.id, result.source)
@@ -532,7 +534,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
                  dumps(report.to_dict() | {"inputs": per_input.to_list()}))
     for line in per_input.warnings():
         print(line, file=sys.stderr)
-    if line := _media_root_hint(report, options.media_root):
+    if line := _media_root_hint(not_found, report.seen, options.media_root):
         print(line, file=sys.stderr)
     index = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": options.name,

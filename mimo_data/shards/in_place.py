@@ -192,7 +192,8 @@ def index_shard(job: _Job) -> ShardResult:
         result.seconds = time.perf_counter() - started
         return result
     if storage.is_remote(location):
-        return storage.retried(f"reading {location}", attempt)
+        return storage.Remote(location, job.storage_options).retried(f"reading {location}",
+                                                                     attempt)
     return attempt()
 
 

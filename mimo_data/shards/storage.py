@@ -191,12 +191,16 @@ def _transient(exc: BaseException) -> bool:
 
 
 def retried[T](what: str, call: Callable[[], T], attempts: int | None = None,
-               endpoint: str = "") -> T:
+               endpoint: Callable[[], str] | None = None) -> T:
     """``call()``, tried ``attempts`` times (``ATTEMPTS``) on transient faults; StorageError
     naming ``what`` when it keeps failing, the permanent error itself at once; ``endpoint``
-    (``endpoint_of``) said where the credentials or the endpoint may be at fault."""
+    (``endpoint_of``, asked on failure alone) said where the credentials or the endpoint may
+    be at fault."""
     attempts = attempts or ATTEMPTS
-    at = f" (endpoint {endpoint})" if endpoint else ""
+
+    def at() -> str:
+        named = endpoint() if endpoint is not None else ""
+        return f" (endpoint {named})" if named else ""
     for attempt in range(1, attempts + 1):
         try:
             return call()
@@ -219,7 +223,7 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None,
                         "PartialCredentialsError": "incomplete credentials"}.get(
                             type(exc).__name__, "access denied")
                 raise StorageError(
-                    f"{what}{at}: {said} ({type(exc).__name__}: {exc}). " +
+                    f"{what}{at()}: {said} ({type(exc).__name__}: {exc}). " +
                     ("Check" if said == "access denied" else "Give") +
                     " the credentials (the environment's variables, e.g. AWS_ACCESS_KEY_ID and "
                     "AWS_SECRET_ACCESS_KEY, the client's config files, or, for mimo-train, "
@@ -231,7 +235,7 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None,
                 raise
             if attempt == attempts:
                 raise StorageError(
-                    f"{what}{at}: failed {attempts} times, last with {type(exc).__name__}: "
+                    f"{what}{at()}: failed {attempts} times, last with {type(exc).__name__}: "
                     f"{_said(exc)}. Check the endpoint, the credentials and the network"
                     ) from exc
             with _RETRIES_LOCK:
@@ -247,13 +251,27 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None,
 
 
 def endpoint_of(location: str, options: dict) -> str:
-    """The S3 endpoint requests to ``location`` go to, as its storage ``options`` or the
-    environment give it (botocore's order), else AWS's own; "" for other stores."""
+    """The S3 endpoint requests to ``location`` go to, as its storage ``options``, the
+    environment or the AWS config file's profile give it (botocore's order), else AWS's own;
+    "" for other stores."""
     if location.partition("://")[0] not in ("s3", "s3a"):
         return ""
     given = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get(
-        "endpoint_url") or os.environ.get("AWS_ENDPOINT_URL_S3") or \
-        os.environ.get("AWS_ENDPOINT_URL")
+        "endpoint_url")
+    if given:
+        return str(given)
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
+        return "AWS's own: AWS_IGNORE_CONFIGURED_ENDPOINT_URLS ignores the configured ones"
+    given = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if given:
+        return given
+    try:                        # the profile's, ~/.aws/config's (AWS_CONFIG_FILE)
+        from botocore.session import Session
+        session = Session(profile=options.get("profile"))
+        scoped = session.get_scoped_config()
+        given = (scoped.get("s3") or {}).get("endpoint_url") or scoped.get("endpoint_url")
+    except Exception:           # (no botocore, a profile that is not there): unknown
+        return "AWS's own, unless an AWS config file's profile sets endpoint_url"
     return str(given) if given else "AWS's own: no endpoint_url given"
 
 
@@ -316,7 +334,8 @@ class Remote:
 
     def retried[T](self, what: str, call: Callable[[], T]) -> T:
         """``retried``, its failures naming this store's endpoint."""
-        return retried(what, call, endpoint=endpoint_of(self.location, self.options))
+        return retried(what, call,
+                       endpoint=lambda: endpoint_of(self.location, self.options))
 
     def read(self, url: str) -> bytes:
         return self.retried(f"reading {url}", lambda: self.fs.cat_file(url))

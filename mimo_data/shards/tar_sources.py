@@ -22,7 +22,7 @@ from mimo_data.shards.format import FORMAT_NAME, INDEX_FILE
 from mimo_data.shards.layouts import MEDIA_EXTENSIONS, MemberMap, detect, field as member
 from mimo_data.shards.records import RecordError
 from mimo_data.shards.sources import SourceError
-from mimo_data.shards.tar_walk import NOT_IN_PLACE, NotATarError, Walked, walk
+from mimo_data.shards.tar_walk import NotATarError, Walked, not_in_place, walk
 
 DETECT_SAMPLES = 16           # samples of the first tar that decide the layout
 COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")
@@ -272,8 +272,9 @@ def _resolve(sources: list[str], options: IndexOptions,
             raise IndexInputError(f"{root}: " + (
                 f"{len(compressed)} compressed tar(s) beside the {len(paths)} plain one(s)"
                 if paths else "no *.tar files under it") + (
-                f" (e.g. {compressed[0]}: {NOT_IN_PLACE})" if paths else
-                f" ({len(compressed)} compressed, e.g. {compressed[0]}: {NOT_IN_PLACE})"
+                f" (e.g. {compressed[0]}: {not_in_place(compressed[0])})" if paths else
+                f" ({len(compressed)} compressed, e.g. {compressed[0]}: "
+                f"{not_in_place(compressed[0])})"
                 if compressed else ""))
         held_out = sorted({folder for path in paths for folder in _folders(root, path)
                            if folder.lower() in HELD_OUT_FOLDERS})

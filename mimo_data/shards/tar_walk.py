@@ -29,22 +29,30 @@ from webdataset.tariterators import base_plus_ext
 
 _BLOCK = 512
 _WINDOW = 1 << 16      # bytes kept behind the read position: tarfile buffers 10 KiB at most
-NOT_IN_PLACE = ("decompress it into a .tar (`gunzip -k`, `zstd -d`, `bunzip2 -k`, `unxz -k` "
-                "as it is compressed), then index that: a compressed tar's members have no "
-                "byte offsets to read them at")
+# the command that undoes each compression, by its file name's suffix
+_TOOLS = {".gz": "gunzip -k", ".tgz": "gunzip -k", ".zst": "zstd -d", ".bz2": "bunzip2 -k",
+          ".xz": "unxz -k"}
 
 
-def _decompress(tool: str) -> str:
-    """What to do with a tar compressed as ``tool`` undoes."""
-    return (f"decompress it into a .tar (`{tool}`), then index that: a compressed tar's "
+def decompress(tool: str) -> str:
+    """What to do with a tar compressed as ``tool`` (a command, `gunzip -k`) undoes."""
+    return (f"decompress it into a .tar ({tool}), then index that: a compressed tar's "
             "members have no byte offsets to read them at")
 
 
+def not_in_place(name: str) -> str:
+    """What to do with the compressed tar ``name`` (``decompress``, its tool by its suffix)."""
+    tool = next((tool for suffix, tool in _TOOLS.items() if name.lower().endswith(suffix)),
+                None)
+    return decompress(f"`{tool}`" if tool else "`gunzip -k`, `zstd -d`, `bunzip2 -k` or "
+                      "`unxz -k`, as it is compressed")
+
+
 # what a file whose first block is no tar header is, by its first bytes
-_MAGIC = ((b"\x1f\x8b", f"gzip-compressed: {_decompress('gunzip -k')}"),
-          (b"\x28\xb5\x2f\xfd", f"zstd-compressed: {_decompress('zstd -d')}"),
-          (b"BZh", f"bzip2-compressed: {_decompress('bunzip2 -k')}"),
-          (b"\xfd7zXZ\x00", f"xz-compressed: {_decompress('unxz -k')}"),
+_MAGIC = ((b"\x1f\x8b", f"gzip-compressed: {decompress('`gunzip -k`')}"),
+          (b"\x28\xb5\x2f\xfd", f"zstd-compressed: {decompress('`zstd -d`')}"),
+          (b"BZh", f"bzip2-compressed: {decompress('`bunzip2 -k`')}"),
+          (b"\xfd7zXZ\x00", f"xz-compressed: {decompress('`unxz -k`')}"),
           (b"PAR1", "a Parquet file (img2dataset writes one beside each tar: give only the "
                     "tars, e.g. 'DIR/*.tar'; a dataset as a table is for `mimo-shard build`)"),
           (b"PK\x03\x04", "a zip file: unzip it"))

@@ -203,8 +203,8 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None,
             return media.read(), path, full, False
     except FileNotFoundError:
         windows = "\\" in path and os.sep == "/"
-        raise RecordError("missing_media", f"{empty}media file {full}: {not_found(full)} (paths "
-                          "are relative to the input file's folder, or to --media-root" + (
+        raise RecordError("missing_media", f"{empty}media file {full}: {not_found(full)} "
+                          f"({RELATIVE_PATHS}" + (
                               "; this one is written with backslashes, as Windows writes "
                               "paths: write it with / (and without a drive letter)"
                               if windows else "") + ")") from None
@@ -308,6 +308,10 @@ DOCUMENT_MEDIA_REMEDY = {"": "the whole document is skipped: to keep the rest, s
                          "mmc4": "the whole document is skipped: to keep the rest, remove that "
                                  "image from the record's 'image_info' (MMC4's images that "
                                  "could not be fetched are left out so)"}
+
+
+# what a missing_media skip of a local file not found says of its path (``build`` counts them)
+RELATIVE_PATHS = "paths are relative to the input file's folder, or to --media-root"
 
 
 def _where(modality: str, index: int, path: str | None) -> str:
