@@ -207,6 +207,13 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert main(["--checkpoint", str(smollm2.checkpoint), "--output", str(inside)]) == 2
     assert f"--output {inside} is inside {inside.parent}, a step of the checkpoint.dir " \
         f"{tmp_path / 'steps'}" in capsys.readouterr().err and not inside.exists()
+    # a link to a step folder on the way: the step it leads to
+    (tmp_path / "link").symlink_to(smollm2.checkpoint)
+    linked = tmp_path / "link" / "hf"
+    assert main(["--checkpoint", str(smollm2.checkpoint), "--output", str(linked)]) == 2
+    assert f"--output {linked} is inside {smollm2.checkpoint}, a step of the checkpoint.dir " \
+        f"{smollm2.checkpoint.parent}" in capsys.readouterr().err
+    assert not (smollm2.checkpoint / "hf").exists()
     (tmp_path / "afile").write_text("in the way\n")          # a file where a folder goes
     assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
                  str(tmp_path / "afile" / "export")]) == 2
