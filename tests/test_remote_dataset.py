@@ -644,6 +644,10 @@ def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store, mon
         (tmp_path / "aws-config").write_text("[default]\nendpoint_url = http://ceph:7480\n")
         env.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
         assert storage.endpoint_of("s3://b/x", {}) == "http://ceph:7480"
+        # the per-service form AWS documents (a services section), as botocore reads it
+        (tmp_path / "aws-config").write_text("[default]\nservices = mine\n[services mine]\n"
+                                             "s3 =\n  endpoint_url = http://services-s3:9000\n")
+        assert storage.endpoint_of("s3://b/x", {}) == "http://services-s3:9000"
         env.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
         assert storage.endpoint_of("s3://b/x", {}) == "http://minio:9000"
         env.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")

@@ -260,18 +260,17 @@ def endpoint_of(location: str, options: dict) -> str:
         "endpoint_url")
     if given:
         return str(given)
-    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
-        return "AWS's own: AWS_IGNORE_CONFIGURED_ENDPOINT_URLS ignores the configured ones"
-    given = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if given:
-        return given
-    try:                        # the profile's, ~/.aws/config's (AWS_CONFIG_FILE)
+    try:        # botocore's own lookup: the environment, then the config file's profile
+        from botocore.configprovider import ConfiguredEndpointProvider
         from botocore.session import Session
         session = Session(profile=options.get("profile"))
-        scoped = session.get_scoped_config()
-        given = (scoped.get("s3") or {}).get("endpoint_url") or scoped.get("endpoint_url")
-    except Exception:           # (no botocore, a profile that is not there): unknown
-        return "AWS's own, unless an AWS config file's profile sets endpoint_url"
+        if session.get_config_variable("ignore_configured_endpoint_urls"):
+            return "AWS's own: the configured endpoints are ignored " \
+                "(ignore_configured_endpoint_urls)"
+        given = ConfiguredEndpointProvider(session.full_config, session.get_scoped_config(),
+                                           "s3").provide()
+    except Exception:           # (a profile that is not there, say): unknown
+        return "AWS's own, unless the environment or an AWS config file sets one"
     return str(given) if given else "AWS's own: no endpoint_url given"
 
 
