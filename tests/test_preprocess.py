@@ -507,6 +507,11 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
                        r"answer at all \(it leaves the assistant's turns out\?\)") as dropped:
         Preprocessor(config(chat_template=silent), with_media=False)(record)
     assert dropped.value.reason == "template_mismatch"
+    # one that writes no answer but an end token after the last turn: the same
+    ending = silent.replace("{% if add_generation_prompt %}", "{% if messages[-1]['role'] == "
+                            "'assistant' %}</s>{% endif %}{% if add_generation_prompt %}")
+    with pytest.raises(SampleDropped, match=r"does not write turn \d+'s answer at all"):
+        Preprocessor(config(chat_template=ending), with_media=False)(record)
     # one that writes an earlier answer otherwise (its reasoning left out, as Qwen3's does):
     # not said to write none
     hiding = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == "

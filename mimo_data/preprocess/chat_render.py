@@ -338,9 +338,9 @@ class ChatRenderer:
             after = text if i == len(messages) - 1 else self._render(messages[:i + 1],
                                                                      tools=tools)
             if not (after.startswith(before) and text.startswith(after)):
-                # the turn adds nothing to the conversation before it: its answer not written
-                if self._render(messages[:i + 1], tools=tools) == \
-                        self._render(messages[:i], tools=tools):
+                # a stand-in answer the template does not write: it leaves the answers out
+                if _ANSWER_PROBE not in self._render(
+                        [*messages[:i], {**message, "content": _ANSWER_PROBE}], tools=tools):
                     raise TextError("template_mismatch", f"the chat template does not write "
                                     f"turn {i}'s answer at all (it leaves the assistant's "
                                     "turns out?): nothing of it could be trained; give a "
@@ -465,6 +465,8 @@ def _weighed(messages: Sequence[Mapping[str, Any]], spans: list) -> list:
     return [span for span, kept in zip(spans, trained) if kept]
 
 
+# a stand-in answer's text: a template that writes answers writes it (``_incremental_spans``)
+_ANSWER_PROBE = "mimo's stand-in answer"
 _MARKER_SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS.values()) + ")")
 _MODALITY_OF = {marker: modality for modality, marker in MARKERS.items()}
 
