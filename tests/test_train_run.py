@@ -821,18 +821,22 @@ def test_mimo_train_stopped_by_a_signal_during_start_up(monkeypatch, tmp_path, c
     """``mimo-train`` (in process, one rank: the trainer's start-up stubbed as one that has
     claimed checkpoint.dir and is reading a table when SIGTERM comes) exits 143 with one line
     saying it stopped before training and nothing was saved, and releases its claim of the
-    folder (a rerun from another host would otherwise wait for it to go stale)."""
+    folder (a rerun from another host would otherwise wait for it to go stale). The trainer
+    is given the process's start to count train.exit_duration_minutes from."""
     import signal
     import time
 
     from mimo_train import cli
     from mimo_train.components import checkpoint_owner
+    from mimo_train.runtime.launcher import started
     from mimo_train.training import trainer as module
 
     _, common, _ = setup
     root = tmp_path / "checkpoints"
+    given = []
 
-    def start_up(plan, records):
+    def start_up(plan, records, begun):
+        given.append(begun)
         root.mkdir()
         checkpoint_owner.claim(str(root))
         os.kill(os.getpid(), signal.SIGTERM)
@@ -848,6 +852,7 @@ def test_mimo_train_stopped_by_a_signal_during_start_up(monkeypatch, tmp_path, c
                      "saved") == 1, err
     assert "Traceback" not in err and os.listdir(root) == [], (err, os.listdir(root))
     assert signal.getsignal(signal.SIGTERM) == before
+    assert given == [pytest.approx(started(), abs=0.05)], given
 
 
 def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path):
