@@ -70,6 +70,27 @@ def test_nothing_to_balance_keeps_the_order():
     assert (order == np.arange(16)).all()
 
 
+def test_a_step_without_one_modalitys_tokens_still_balances_the_others():
+    """Text-only steps of a mixed dataset (no image or audio tokens in the step): the
+    language ranks are still balanced there, as in the steps with media."""
+    modules, group = LAYOUTS["language dp4, image dp2"]
+    costs = synthetic_costs(steps=20)
+    costs[::2, :, 1:] = 0
+    order = arrange(costs, Arrangement(group, modules))
+    after = max_over_mean(rank_loads(costs, order, 0, 4, group))
+    assert after.max() <= 1.05, after.round(3)
+
+
+def test_a_steps_longest_samples_fill_its_first_micro_batches():
+    """Balanced, a step's samples go longest first: each global micro-batch holds samples no
+    shorter than the next one's (unpadded micro-batches of similar lengths pad less)."""
+    modules, group = LAYOUTS["language dp4 only"]
+    costs = synthetic_costs(steps=20)
+    order = arrange(costs, Arrangement(group, modules))
+    tokens = np.take_along_axis(costs[:, :, 0], order, axis=1).reshape(20, -1, group)
+    assert (tokens.min(axis=2)[:, :-1] >= tokens.max(axis=2)[:, 1:]).all()
+
+
 @pytest.fixture(scope="module")
 def source(loader_corpus, tmp_path_factory):
     return DataSource(str(loader_corpus), preprocess_config_file(

@@ -185,3 +185,72 @@ def test_a_resume_says_a_pretrained_model_it_does_not_read_and_parts_frozen_from
         "model.freeze now holds audio, which trained until this checkpoint: frozen from here, "
         "their optimizer state dropped (a later resume cannot train them again: "
         "model.init_from can)"]
+
+
+def test_a_resume_is_refused_for_another_global_batch_and_for_adapters_the_checkpoint_lacks(
+        tmp_path, monkeypatch):
+    """Resumed (a global batch size given), a checkpoint saved with another
+    train.global_batch_size is refused naming both, and one without this run's LoRA adapters
+    is refused as lacking them (the weights it has would train under new, unsaved adapters);
+    started from (``model.init_from``: no global batch size) either is taken. A checkpoint
+    whose meta names no train.precision (an older mimo's) is resumed in any."""
+    import json
+    import types
+
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from mimo_train.components import checkpoint_fit
+    weight = "language_model.module.decoder.layers.0.mlp.linear_fc1.weight"
+    adapter = "language_model.module.decoder.layers.0.mlp.linear_fc1.lora.a.weight"
+    (tmp_path / "meta.json").write_text(json.dumps({"global_batch_size": 8, "config": {
+        "model": {"language": {"hidden_size": 8}}}}))
+    (tmp_path / "integrity.json").write_text(json.dumps({"files": {}}))
+    monkeypatch.setattr(checkpoint_fit.dist_checkpointing, "load_tensors_metadata", lambda _: {
+        weight: types.SimpleNamespace(global_shape=(16, 8))})
+
+    def model(*keys):
+        return types.SimpleNamespace(sharded_state_dict=lambda: {
+            key: ShardedTensor.from_rank_offsets(key, torch.zeros(16, 8)) for key in keys})
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {tmp_path} was saved with "
+                       r"train.global_batch_size 8, this run has 16: resuming the sample "
+                       r"stream needs the same global batch size"):
+        checkpoint_fit.check(str(tmp_path), model(weight), 16)
+    with pytest.raises(CheckpointError, match=r"lacks 1 LoRA adapter weight\(s\) of this run"
+                       r".*it was saved without LoRA adapters"):
+        checkpoint_fit.check(str(tmp_path), model(weight, adapter), 8)
+    checkpoint_fit.check(str(tmp_path), model(weight, adapter), None)
+    checkpoint_fit.check(str(tmp_path), model(weight), 8, precision="bf16")
+
+
+def test_what_a_refusal_names_of_the_settings_and_the_weights_missing():
+    """Settings that make no tensor (attention, recompute, a LoRA alpha or dropout,
+    init_from) are not named as what differs even where both configs hold them, nor a value
+    said as empty one way and absent the other; weights missing beyond adapters are another
+    model, not adapters."""
+    from mimo_train.components.checkpoint_fit import _lacks, _model_changes
+    saved = {"attention": "flash", "init_from": None, "encoders": {},
+             "language": {"hidden_size": 64, "recompute": "none"},
+             "lora": {"language": {"rank": 4, "alpha": 8, "dropout": 0.0}}}
+    ours = {"attention": "sdpa", "init_from": "/runs/a", "encoders": None,
+            "language": {"hidden_size": 32, "recompute": "full"},
+            "lora": {"language": {"rank": 4, "alpha": 16, "dropout": 0.1}}}
+    assert _model_changes({"config": {"model": saved}}, ours, True) == (
+        ". The model settings that differ from the checkpoint's: model.language.hidden_size "
+        "64 there, 32 here: resume with the settings it was saved with, or train this model "
+        "in another checkpoint.dir")
+    refusal = str(_lacks("ck", ["language_model.module.decoder.layers.2.mlp.lora.a.weight",
+                                "language_model.module.decoder.layers.2.mlp.weight"],
+                         {"config": {"model": saved}}, ["language"], ours))
+    assert refusal.startswith("checkpoint ck lacks 2 weight(s) of this rank's modules"), refusal
+    from mimo_train.components.checkpoint_fit import resume_notes
+    then = {"config": {"model": {"encoders": {"audio": {"pretrained": "/models/w"}}}}}
+    assert resume_notes(then, {"encoders": {"audio": {"pretrained": "/models/w2"}}}, []) == [
+        "model.encoders.audio.pretrained is /models/w2 here, /models/w when the checkpoint was "
+        "saved: the checkpoint's weights continue the run (the folder gives the model's config "
+        "and files, of the same shapes)"]
+    # a checkpoint whose config names no model.freeze (null, or an older meta): frozen now
+    assert resume_notes({"config": {"model": {"freeze": None}}}, {}, ["image"]) == [
+        "model.freeze now holds image, which trained until this checkpoint: frozen from here, "
+        "their optimizer state dropped (a later resume cannot train them again: "
+        "model.init_from can)"]

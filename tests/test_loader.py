@@ -368,6 +368,10 @@ def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, cor
     assert data_changes({**state["data"], "datasets": [{**then, "kept_digest": "0"}]},
                         state["data"]) == f"{corpus}: preprocessing keeps other samples than then"
     assert data_changes(state["data"], state["data"]) == ""
+    # the same folder rebuilt (the usual case): its index named, not left to the generic text
+    assert data_changes({**state["data"], "datasets": [{**then, "index": "0"}]},
+                        state["data"]) == f"{corpus}: another index than {corpus}'s then " \
+        "(rebuilt, or other shards)"
     two = {"datasets": [then, {**then, "directory": "b", "index": "1"}], "weights": [0.25, 0.75]}
     assert data_changes(two, {"datasets": two["datasets"][::-1], "weights": [0.75, 0.25]}) == \
         f"the same datasets in another order ({corpus}, b then, b, {corpus} now); blend " \
@@ -482,6 +486,36 @@ def uneven(tmp_path_factory):
     index = json.loads((folder / "big" / "index.json").read_text())
     assert [shard["samples"] for shard in index["shards"]] == [300, 3]
     return folder
+
+
+def test_a_state_is_refused_by_other_shares_kept_samples_version_or_an_epoch_it_is_past(
+        sources, uneven, configs):
+    """What changes the order is refused, each said: the blend's shares (the same shares in
+    other numbers are taken), the samples preprocessing keeps of the same dataset (the image
+    config drops the audio samples the full one keeps), a state of another version; and a
+    position past this epoch's end (allow_fingerprint_mismatch onto fewer samples)."""
+    layout, options = "language=dp2;image=dp1;audio=dp1", dict(decode_media=False)
+    datasets = [str(uneven / "small"), str(uneven / "big")]
+
+    def loader(weights, state=None, source=None):
+        return build_loader(source or DataSource(datasets, configs["full"], weights), None,
+                            layout, 0, 4, GLOBAL_BATCH, 2, 11, state=state, **options)
+    state = loader([1, 1]).state_dict()
+    assert loader([2, 2], state).step == 0
+    with pytest.raises(LoaderError, match=r"blend weights 0.5, 0.5 then, 0.75, 0.25 now"):
+        loader([3, 1], state)
+    full = loader(None, source=sources["full"])
+    corpus = sources["full"].directories[0]
+    with pytest.raises(LoaderError, match=rf"fingerprint .*: {corpus}: preprocessing keeps "
+                       r"\d+ of its samples now, \d+ then\)"):
+        build_loader(sources["image"], None, "language=dp2;image=dp1", 0, 3, GLOBAL_BATCH, 2,
+                     11, state=full.state_dict())
+    with pytest.raises(LoaderError, match="not a mimo-loader-state version 1 state: "
+                       "'mimo-loader-state' version 2"):
+        loader(None, {**full.state_dict(), "version": 2}, sources["full"])
+    end = full.order.samples_per_epoch
+    with pytest.raises(LoaderError, match=f"stopped {end} samples into epoch 0"):
+        loader(None, {**full.state_dict(), "sample_offset": end}, sources["full"])
 
 
 @pytest.mark.parametrize("datasets, weights", [(["big"], None), (["small", "big"], None),

@@ -43,6 +43,20 @@ def test_plans_are_permutations_of_full_sequences_that_next_fit_finds_again():
     assert sequences.mean() < 8 * 0.5           # long-tail lengths: far fewer rows than samples
 
 
+def test_samples_of_equal_length_keep_their_order():
+    """Ties are broken by place, not left to numpy's default sort (unstable beyond 16
+    samples, its ties free to differ between numpy versions and CPUs): every rank, and a
+    resume on another machine, packs alike; samples of one length keep their part's order."""
+    rng = np.random.default_rng(1)
+    lengths = rng.choice([3, 5], size=(4, 40))
+    within, sequences = pack_parts(lengths, 10)
+    assert sequences.tolist() == [17, 17, 18, 18]
+    for part, order in zip(lengths, within):
+        for length in (3, 5):
+            places = order[part[order] == length]
+            assert (np.diff(places) > 0).all(), (length, places.tolist())
+
+
 def test_a_sample_longer_than_the_sequence_is_refused():
     with pytest.raises(PackingError, match="1..100"):
         pack_parts(np.array([[50, 101]]), 100)

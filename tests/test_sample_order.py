@@ -192,3 +192,42 @@ def test_the_order_is_the_one_earlier_versions_drew_and_holds_little_memory():
     finally:
         tracemalloc.stop()
     assert peak / count < 40, peak / count
+
+
+def test_wrap_adds_no_step_when_the_epoch_fills_its_last_one():
+    """``remainder: wrap`` completes a last step only where one is short: an epoch whose kept
+    samples fill whole global batches has as many steps as with ``drop``, every sample once and
+    none repeated."""
+    data = shape(30, 2)
+    for remainder in ("drop", "wrap"):
+        order = SampleOrder([data], 0, global_batch_size=8, remainder=remainder)
+        assert (order.steps_per_epoch, order.remainder_samples) == (4, 0), remainder
+        assert sorted(order.epoch(0)[1].tolist()) == list(range(32)), remainder
+
+
+def test_a_blends_order_is_the_one_this_version_draws():
+    """A weighted blend's order (which dataset at each place, and where each continues from
+    epoch to epoch) is pinned as drawn on 2026-12-07, like the single dataset's above: a
+    resumed blend continues the same stream after an upgrade; the interleaving's phases are
+    drawn anew each epoch."""
+    order = SampleOrder([shape(5), shape(40, 9, dropped=[3]), shape(13)], seed=11,
+                        global_batch_size=4, weights=[2, 1, 1], block_size=8, window_blocks=2)
+    assert order.quotas == [33, 17, 16]
+    datasets, positions = order.epoch(0)
+    assert "".join(map(str, datasets.tolist())) == \
+        "2010201020102010201020102010201020102010201020100210021001201020"
+    assert positions[:12].tolist() == [10, 3, 18, 4, 11, 1, 19, 0, 8, 2, 22, 1]
+    datasets, positions = order.epoch(1)
+    assert "".join(map(str, datasets.tolist())) == \
+        "1020102010201020102010201020102010201020102010210012001200102010"
+    assert positions[:12].tolist() == [11, 1, 5, 0, 37, 0, 7, 4, 35, 1, 0, 3]
+
+
+def test_a_dataset_of_weight_0_may_keep_nothing_and_all_weights_0_are_refused():
+    """A dataset whose samples preprocessing all drops can be left out of a blend by weight 0
+    (refused only where it is weighted); weights that are all 0 draw nothing and are refused
+    saying so, not as a division by zero."""
+    order = SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1, weights=[1, 0])
+    assert order.quotas == [4, 0] and sorted(order.epoch(0)[1].tolist()) == [0, 1, 2, 3]
+    with pytest.raises(OrderError, match=r"blend weights \[0, 0\]: .*and not all 0"):
+        SampleOrder([shape(4), shape(4)], 0, 1, weights=[0, 0])
