@@ -93,7 +93,7 @@ def _list_files(location: str, storage_options: dict | None) -> list[str]:
         remote = storage.Remote(location, storage_options)
         protocol = location.partition("://")[0]
         found = remote.retried(f"listing {location}",
-                                lambda: remote.fs.find(location, detail=False))
+                               lambda: remote.fs.find(location, detail=False))
         paths = [p if "://" in p else f"{protocol}://{p}" for p in found]
     else:
         paths, walked = [], set()
