@@ -124,7 +124,7 @@ class ShardReader:
         key = hashlib.sha256(json.dumps([self.index_digest.hex(), self.shard_root,
                                          sorted(versions.items())]).encode()).hexdigest()
         labels = cache.Labels("checked", build_digest(self.index, self.directory, self.remote),
-                              about=f"{len(versions)} tars' text read since their indexing")
+                              about=f"the text of {len(versions)} tar(s) read since indexed")
 
         checked: list[bool] = []
 
@@ -147,11 +147,11 @@ class ShardReader:
         named = ", ".join(sorted(versions)[:3]) + (
             f" and {len(versions) - 3} more" if len(versions) > 3 else "")
         if positions:
-            tars = f"{len(versions)} tars were" if len(versions) > 1 else "1 tar was"
-            print(f"mimo: {self.directory}: {tars} written again since "
-                  f"{'their' if len(versions) > 1 else 'its'} indexing ({named}; a copy?): "
-                  f"reading their {len(positions)} samples' text to check it against the "
-                  "index's, once", file=sys.stderr, flush=True)
+            tars, their = (f"{len(versions)} tars were", "their") if len(versions) > 1 else \
+                ("1 tar was", "its")
+            print(f"mimo: {self.directory}: {tars} written again since {their} indexing "
+                  f"({named}; a copy?): reading {their} {len(positions)} samples' text to "
+                  "check it against the index's, once", file=sys.stderr, flush=True)
         self._check_samples(positions)
 
     def _check_samples(self, positions: list[int]) -> None:
