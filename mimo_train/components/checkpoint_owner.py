@@ -30,6 +30,7 @@ import time
 
 from mimo_data.files import write_atomic
 from mimo_train.errors import CheckpointError
+from mimo_train.runtime.launcher import start_ticks
 
 OWNER = ".mimo-run"
 REFRESH_S = 60.0             # how often a training run rewrites its claim
@@ -51,11 +52,8 @@ def _proc(path: str) -> str | None:
 def _process(pid: int) -> dict:
     """What tells process ``pid`` of this host from a later one given its number: the boot
     it runs in and its start time (clock ticks since boot; Linux's /proc, else None)."""
-    stat = _proc(f"/proc/{pid}/stat")
     boot = _proc("/proc/sys/kernel/random/boot_id")
-    # the fields after the command's closing parenthesis; its start time is field 22
-    start = int(stat.rpartition(")")[2].split()[19]) if stat else None
-    return {"boot": boot.strip() if boot else None, "start": start}
+    return {"boot": boot.strip() if boot else None, "start": start_ticks(pid)}
 
 
 def _this_run() -> dict:

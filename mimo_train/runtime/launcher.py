@@ -24,16 +24,26 @@ def unjoined_tasks() -> str | None:
             "task, on purpose, unset SLURM_STEP_NUM_TASKS")
 
 
-def started() -> float:
-    """The ``time.monotonic()`` at which this process started, from Linux's ``/proc`` (now
-    where it cannot be read): what ``train.exit_duration_minutes`` counts from, the imports
-    and launch before any of mimo's code ran included."""
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux's ``/proc``); None where
+    it cannot be read (gone, or no ``/proc``)."""
     try:
-        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+        with open(f"/proc/{pid}/stat") as stat:
             # the fields after the command's name, ")": state is field 3, starttime field 22
-            started = int(stat.read().rpartition(")")[2].split()[19])
-            now = float(uptime.read().split()[0])
-        age = max(0.0, now - started / os.sysconf("SC_CLK_TCK"))
+            return int(stat.read().rpartition(")")[2].split()[19])
     except (OSError, ValueError, IndexError):
-        age = 0.0
+        return None
+
+
+def started() -> float:
+    """The ``time.monotonic()`` at which this process started (``start_ticks``; now where it
+    cannot be read): what ``train.exit_duration_minutes`` counts from, the imports and launch
+    before any of mimo's code ran included."""
+    ticks = start_ticks(os.getpid())
+    try:
+        with open("/proc/uptime") as uptime:
+            now = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ticks = None
+    age = 0.0 if ticks is None else max(0.0, now - ticks / os.sysconf("SC_CLK_TCK"))
     return time.monotonic() - age
