@@ -1,5 +1,6 @@
 """Local-file helpers every part of mimo uses: atomic writes, content digests, Parquet read a
-batch at a time, and YAML read with a key given twice refused."""
+batch at a time, YAML read with a key given twice refused, and compressed files known by their
+first bytes or names."""
 
 from __future__ import annotations
 
@@ -47,6 +48,37 @@ def file_in_the_way(folder: str) -> str | None:
             return None
         path = os.path.dirname(path)
     return None
+
+
+# the compressions users' files come in: each one's leading bytes (whatever the file's name)
+# and its names' suffixes; undone by ``decompress_command``
+COMPRESSIONS = {"gzip": (b"\x1f\x8b", (".gz", ".tgz")), "zstd": (b"\x28\xb5\x2f\xfd", (".zst",)),
+                "bzip2": (b"BZh", (".bz2",)), "xz": (b"\xfd7zXZ\x00", (".xz",)),
+                "zip": (b"PK\x03\x04", (".zip",))}
+
+
+def compression_of(head: bytes) -> str | None:
+    """The compression (a ``COMPRESSIONS`` key) a file starting with ``head`` is in, if any."""
+    return next((kind for kind, (magic, _) in COMPRESSIONS.items() if head.startswith(magic)),
+                None)
+
+
+def compression_suffix(name: str) -> str:
+    """The compression's suffix (``.gz``) the file name ``name`` ends with, "" where none."""
+    return next((suffix for _, suffixes in COMPRESSIONS.values() for suffix in suffixes
+                 if name.lower().endswith(suffix)), "")
+
+
+def compression_named(name: str) -> str | None:
+    """The compression (a ``COMPRESSIONS`` key) the file name ``name``'s suffix says, if any."""
+    suffix = compression_suffix(name)
+    return next((kind for kind, (_, suffixes) in COMPRESSIONS.items() if suffix in suffixes),
+                None)
+
+
+def decompress_command(kind: str, path: str = "FILE") -> str:
+    """The command that decompresses ``path`` in ``kind`` beside itself, the file kept."""
+    return f"unzip {path}" if kind == "zip" else f"{kind} -dk {path}"
 
 
 def file_sha256(path: str) -> str:

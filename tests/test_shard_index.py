@@ -877,13 +877,14 @@ def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, caps
         code, _, err = cli_main(capsys, "index", *given, "--output", tmp_path / "idx",
                                 "--workers", "0", "--no-progress")
         assert code == 2 and f"{packed}: not a tar but gzip-compressed: decompress it into a " \
-            ".tar (`gunzip -k`), then index that" in err, err
+            ".tar (`gzip -dk FILE`), then index that" in err, err
         assert not (tmp_path / "idx" / "index.json").exists()
     # a folder of both: refused, never its plain tars alone without a word
     code, _, err = cli_main(capsys, "index", tmp_path / "gz", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 2 and "1 compressed tar(s) beside the 1 plain one(s) (e.g. " in err and \
-        "pairs-000000.tar.gz: decompress it into a .tar (`gunzip -k`), then index that" in err, err
+        f"pairs-000000.tar.gz: decompress it into a .tar (`gzip -dk {packed}`), then index " \
+        "that" in err, err
     os.remove(plain)
     code, _, err = cli_main(capsys, "index", tmp_path / "gz", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")

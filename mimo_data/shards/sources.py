@@ -26,7 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mimo_data.errors import listed
-from mimo_data.files import not_found
+from mimo_data.files import (compression_named, compression_of, compression_suffix,
+                              decompress_command, not_found)
 from mimo_data.shards import storage
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.records import (PART_MODALITIES, RecordError, as_turns,
@@ -785,10 +786,6 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
 
 _SNIFF_LINES = 20   # non-blank lines read to find the first well-formed record
 _LINES_SUFFIXES = (".jsonl", ".ndjson")
-# the leading bytes of compressed files (gzip, zstd, bzip2, xz, zip), whatever their names
-_COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2",
-               b"\xfd7zXZ\x00": "xz", b"PK\x03\x04": "zip"}
-_SUFFIXES = {"gzip": ".gz", "zstd": ".zst", "bzip2": ".bz2", "xz": ".xz", "zip": ".zip"}
 _PARQUET_MAGIC = b"PAR1"
 
 
@@ -813,14 +810,12 @@ def _refuse_compressed(path: str, head: bytes) -> None:
     """SourceError for a compressed input (``train.jsonl.gz``; ``head``: the file's first
     bytes): its records are read by line number and row from the file itself, so it is
     decompressed first."""
-    kind = next((name for magic, name in _COMPRESSED.items() if head.startswith(magic)), None)
+    kind = compression_of(head)
     if kind:
-        suffix = _SUFFIXES[kind]
-        if path.lower().endswith(suffix):           # the tool writes the name less its suffix
-            command = f"unzip {path}" if kind == "zip" else f"{kind} -dk {path}"
+        if compression_named(path) == kind:         # the tool writes the name less its suffix
+            command = decompress_command(kind, path)
         else:                   # (a tool refuses a name without it; another's suffix goes)
-            other = next((sfx for sfx in _SUFFIXES.values() if path.lower().endswith(sfx)), "")
-            stem, ext = os.path.splitext(path[:len(path) - len(other)])
+            stem, ext = os.path.splitext(path[:len(path) - len(compression_suffix(path))])
             command = (f"unzip -p {path}" if kind == "zip" else f"{kind} -dc {path}") + \
                 f" > {stem}.plain{ext}"
         raise SourceError(f"{path}: {kind}-compressed: decompress it first (e.g. {command}) "

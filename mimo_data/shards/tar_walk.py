@@ -27,35 +27,22 @@ from typing import IO
 
 from webdataset.tariterators import base_plus_ext
 
+from mimo_data.files import compression_named, compression_of, decompress_command
+
 _BLOCK = 512
 _WINDOW = 1 << 16      # bytes kept behind the read position: tarfile buffers 10 KiB at most
-# the command that undoes each compression, by its file name's suffix
-_TOOLS = {".gz": "gunzip -k", ".tgz": "gunzip -k", ".zst": "zstd -d", ".bz2": "bunzip2 -k",
-          ".xz": "unxz -k"}
 
 
-def decompress(tool: str) -> str:
-    """What to do with a tar compressed as ``tool`` (a command, `gunzip -k`) undoes."""
-    return (f"decompress it into a .tar ({tool}), then index that: a compressed tar's "
+def decompress(command: str) -> str:
+    """What to do with a tar that ``command`` (`gzip -dk FILE`) decompresses."""
+    return (f"decompress it into a .tar (`{command}`), then index that: a compressed tar's "
             "members have no byte offsets to read them at")
 
 
 def not_in_place(name: str) -> str:
     """What to do with the compressed tar ``name`` (``decompress``, its tool by its suffix)."""
-    tool = next((tool for suffix, tool in _TOOLS.items() if name.lower().endswith(suffix)),
-                None)
-    return decompress(f"`{tool}`" if tool else "`gunzip -k`, `zstd -d`, `bunzip2 -k` or "
-                      "`unxz -k`, as it is compressed")
-
-
-# what a file whose first block is no tar header is, by its first bytes
-_MAGIC = ((b"\x1f\x8b", f"gzip-compressed: {decompress('`gunzip -k`')}"),
-          (b"\x28\xb5\x2f\xfd", f"zstd-compressed: {decompress('`zstd -d`')}"),
-          (b"BZh", f"bzip2-compressed: {decompress('`bunzip2 -k`')}"),
-          (b"\xfd7zXZ\x00", f"xz-compressed: {decompress('`unxz -k`')}"),
-          (b"PAR1", "a Parquet file (img2dataset writes one beside each tar: give only the "
-                    "tars, e.g. 'DIR/*.tar'; a dataset as a table is for `mimo-shard build`)"),
-          (b"PK\x03\x04", "a zip file: unzip it"))
+    kind = compression_named(name) or "gzip"
+    return decompress(decompress_command(kind, name))
 
 
 class NotATarError(ValueError):
@@ -77,9 +64,15 @@ def _cut_header(first: bytes) -> bool:
 def _not_a_tar(first: bytes) -> str | None:
     """Why a file whose first header ``tarfile`` refused is no tar; None: a tar cut inside its
     first header (its start reads as one)."""
-    for magic, what in _MAGIC:
-        if first.startswith(magic):
-            return f"not a tar but {what}"
+    kind = compression_of(first)
+    if kind == "zip":
+        return "not a tar but a zip file: unzip it"
+    if kind:
+        return f"not a tar but {kind}-compressed: {decompress(decompress_command(kind))}"
+    if first.startswith(b"PAR1"):
+        return ("not a tar but a Parquet file (img2dataset writes one beside each tar: give "
+                "only the tars, e.g. 'DIR/*.tar'; a dataset as a table is for `mimo-shard "
+                "build`)")
     if len(first) == _BLOCK:
         return "not a tar (its first 512 bytes are no tar header)"
     if not first:
