@@ -11,6 +11,7 @@ backend): the tests that call it are skipped where torchvision is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -134,6 +135,36 @@ def test_bad_clips_raise_their_reasons(clips, corpus):
     with pytest.raises(MediaError, match=r"^vid0\.mp4 \(videos/pan\.mp4\) lasts "):
         VIDEO.item_tokens({**item, "member": "vid0.mp4", "path": "videos/pan.mp4"},
                           VideoConfig(max_duration=1.0))
+
+
+def test_a_cut_whose_edit_list_hides_frames_is_the_frames_it_shows(clips):
+    """A stream-copy cut (``ffmpeg -ss 10 -i IN -c copy OUT``) keeps the packets from the
+    keyframe before the cut and an edit list that hides them: its header declares every frame
+    it holds, players and decoders show the rest. Those it shows are the clip, never refused
+    as truncated, and decoding a sample of them gives those frames."""
+    source = clips["pan_h264_24"]
+    cut = io.BytesIO()
+    with av.open(io.BytesIO(source.data)) as container, av.open(cut, "w", format="mp4") as out:
+        stream = container.streams.video[0]
+        copied = out.add_stream_from_template(stream)
+        hidden = 10 * int(1 / (stream.average_rate * stream.time_base))
+        for packet in container.demux(stream):
+            if packet.dts is None:
+                continue
+            packet.pts, packet.dts, packet.stream = packet.pts - hidden, packet.dts - hidden, copied
+            out.mux(packet)
+    data = cut.getvalue()
+    with av.open(io.BytesIO(data)) as container:
+        assert container.streams.video[0].frames == source.frames          # all it holds
+    shown = _full_decode(dataclasses.replace(source, data=data))
+    assert np.array_equal(shown, _full_decode(source)[10:])
+    for check in ("header", "decode"):
+        meta = probe_video(data, check)
+        assert meta["frames"] == source.frames - 10, (check, meta)
+        assert meta["duration"] == pytest.approx((source.frames - 10) / source.fps)
+    indices = [0, 7, 25, source.frames - 11]
+    assert all(np.array_equal(frame, shown[i])
+               for frame, i in zip(decode_frames(data, indices, 0), indices))
 
 
 # --------------------------------------------------------------------------------- sampling

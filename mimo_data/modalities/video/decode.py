@@ -109,6 +109,11 @@ def probe_video(data: bytes, check: str = "decode",
         if duration is not None and duration > max_seconds:
             raise _too_long(duration, max_seconds)
         declared = stream.frames
+        # an mp4 whose edit list shows fewer frames than it holds (a stream-copy cut, ffmpeg
+        # -ss 10 -i IN -c copy OUT) plays and decodes those it shows, as its duration says
+        shown = round(float(stream.duration * stream.time_base) * fps) if stream.duration else 0
+        if 0 < shown < declared:
+            declared = shown
         stated = _stated_seconds(container, stream)
         start, time_base = stream.start_time or 0, stream.time_base
         try:
