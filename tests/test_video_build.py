@@ -533,3 +533,18 @@ def test_frames_are_in_the_order_of_their_numbers(tmp_path):
     with av.open(io.BytesIO(frames_clip(str(tmp_path), 3.0))) as clip:
         stored = [bytes(p) for p in clip.demux(clip.streams.video[0]) if p.size]
     assert stored == [frames[number] for number in range(1, 13)]
+    # a frame missing from the numbering: refused, never the later frames shown early
+    from mimo_data.modalities.base import MediaError
+
+    (tmp_path / "5.jpg").unlink()
+    with pytest.raises(MediaError, match=r"skips a number: 4\.jpg then 6\.jpg, where its "
+                       r"frames step by 1 \(a frame missing") as caught:
+        frames_clip(str(tmp_path), 3.0)
+    assert caught.value.reason == "missing_media"
+    # frames kept every other number (taken so) are no gap
+    (tmp_path / "5.jpg").write_bytes(frames[5])
+    for number in (2, 4, 6, 8, 10, 12):
+        (tmp_path / f"{number}.jpg").unlink(missing_ok=True)
+    with av.open(io.BytesIO(frames_clip(str(tmp_path), 3.0))) as clip:
+        stored = [bytes(p) for p in clip.demux(clip.streams.video[0]) if p.size]
+    assert stored == [frames[number] for number in (1, 3, 5, 7, 9, 11)]

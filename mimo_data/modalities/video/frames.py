@@ -50,7 +50,30 @@ def frames_clip(folder: str, fps: float) -> bytes:
                          "JPEG frames: give a folder of .jpg frames, or encode the clip first")
     if not names:
         raise MediaError("missing_media", "the frames folder holds no frame")
+    gap = _numbering_gap(names)
+    if gap:
+        raise MediaError("missing_media", f"the frames folder skips a number: {gap[0]} then "
+                         f"{gap[1]}, where its frames step by {gap[2]} (a frame missing: "
+                         "every frame after it would be shown early); put the frame back, or "
+                         "leave the video out")
     return frames_list_clip([os.path.join(folder, name) for name in names], fps)
+
+
+def _numbering_gap(names: list[str]) -> tuple[str, str, int] | None:
+    """Two adjacent frames (in ``frame_order``) whose names' numbers step by a multiple of the
+    folder's smallest step, with the step; None where there is none, or where the names
+    differ otherwise than in their last number (no evidence)."""
+    split = [_NUMBER.split(name) for name in names]
+    if len(names) < 3 or any(len(parts) < 3 for parts in split) or \
+            len({(*parts[:-2], parts[-1]) for parts in split}) > 1:
+        return None
+    numbers = [int(parts[-2]) for parts in split]
+    steps = [after - before for before, after in zip(numbers, numbers[1:])]
+    least = min(steps)
+    if least <= 0:
+        return None
+    at = next((k for k, step in enumerate(steps) if step != least and step % least == 0), None)
+    return None if at is None else (names[at], names[at + 1], least)
 
 
 def frames_list_clip(paths: list[str], fps: float) -> bytes:
