@@ -20,6 +20,7 @@ from mimo_data.shards.build import BuildOptions, build
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.collate import BatchError, Collator
 from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped, preprocess_dataset
+from mimo_data.errors import ConfigError
 from mimo_data.modalities.image import ImageConfig
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
@@ -496,7 +497,10 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
     preprocessor = Preprocessor(config(chat_template=template), with_media=False)
     record = next(r for r in records if sum(m["role"] == "assistant"
                                             for m in r["messages"]) >= 2)
-    with pytest.raises(SampleDropped) as dropped:
+    with pytest.raises(SampleDropped, match=r"the turns before it, rendered with the generation "
+                       r"prompt, end ' \(final\)<\|im_end\|>\\n<\|im_start\|>assistant', "
+                       r"followed by it '<\|im_end\|>\\n<\|im_start\|>assistant\\n.*give a "
+                       r"chat_template with \{% generation %\} blocks.*qwen3_5.jinja") as dropped:
         preprocessor(record)
     assert dropped.value.reason == "template_mismatch"
     # a template that writes no answer at all: said so, not to add generation blocks
@@ -522,9 +526,38 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
     first = next(m for m in thinking["messages"] if m["role"] == "assistant")
     first["content"] = "<think>hmm</think>" + first["content"]
     with pytest.raises(SampleDropped, match="does not render turn \\d+ as an extension of the "
-                       "turns before it") as dropped:
+                       "turns before it.*where the conversation ends with it the template "
+                       "writes '<think>hmm</think>") as dropped:
         Preprocessor(config(chat_template=hiding), with_media=False)(thinking)
     assert dropped.value.reason == "template_mismatch"
+
+
+def test_template_that_writes_answers_without_their_content_is_refused_at_start(
+        reference_tokenizer):
+    """A template that writes an answer's header and end but not its content (reading
+    ``message['text']``, or the answer's typed parts where it is a string) would train every
+    answer's end token alone: refused at once, naming the template, not left to a report."""
+    turn = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if m['role'] == 'assistant' %}ANSWER{% else %}{{ m['content'] }}{% endif %}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% endif %}")
+    for answer in ("", "{{ m['text'] }}", "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"):
+        with pytest.raises(ConfigError, match=r"the configured chat_template does not write an "
+                           r"answer's content as the answer \(a stand-in answer \"mimo's "
+                           r"stand-in answer\" trains '<\|im_end\|>'\): every answer would "
+                           r"train its end of turn alone; does it read message\['text'\]"):
+            Preprocessor(config(chat_template=turn.replace("ANSWER", answer)), with_media=False)
+    # typed parts for a user's content, a string for an answer (what llava-hf's templates
+    # take, edited): the answer as given, never the parts' Python text
+    mixed = turn.replace("{{ m['content'] }}", "{% for p in m['content'] %}{{ p['text'] }}"
+                         "{% endfor %}").replace("ANSWER", "{{ m['content'] }}")
+    record = {"key": "k", "media": [], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4."}, {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "6."}]}
+    sample = Preprocessor(config(chat_template=mixed), with_media=False)(record)
+    answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+    assert trained_text(reference_tokenizer, sample) == "".join(f"{a}<|im_end|>" for a in answers)
 
 
 def test_template_that_changes_contents_masks_what_it_renders(records, reference_tokenizer):

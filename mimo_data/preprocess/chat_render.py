@@ -148,8 +148,10 @@ class ChatRenderer:
                                       contents_inserted_verbatim(self._compiled.environment,
                                                                  template))
             # A template that renders contents only from typed parts (llava-hf's: a message's
-            # images, then its text) gets each content as those parts (``typed_parts``)
+            # images, then its text) gets each content as those parts (``typed_parts``), but
+            # for the roles it writes a plain string of (``_plain_roles``)
             self.typed_contents = self._takes_typed_contents()
+            self.plain_roles = self._plain_roles() if self.typed_contents else frozenset()
             # the BOS a tokenizer puts before every text it encodes (LLaMA's <s>) where the
             # template does not write it: the published processors encode the chat with it
             self.bos_text = added_bos(tokenizer)
@@ -162,6 +164,7 @@ class ChatRenderer:
             if config.append_eos is not True:      # true: the EOS after every answer
                 # answers are trained through the token the template ends them with
                 self.eot = turn_end(endings, ends) or self.eot
+            self._check_answers_written()
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[TrainedSpan]]:
         """The text and its trained character spans (each ending with the end-of-turn token,
@@ -211,13 +214,15 @@ class ChatRenderer:
     def _bos(self, text: str) -> str:
         return "" if text.startswith(self.bos_text) else self.bos_text
 
-    def _probe(self, content, generation_prompt: bool = False) -> str | None:
-        """The template's render of one user message of ``content`` as given (a string or typed
-        parts), or None where it refuses it (its own raise_exception(), jinja errors)."""
+    def _probe(self, content, generation_prompt: bool = False,
+               before: Sequence[Mapping[str, Any]] = (), role: str = "user") -> str | None:
+        """The template's render of ``before``, then a ``role`` message of ``content`` as given
+        (a string or typed parts), or None where it refuses it (its own raise_exception(),
+        jinja errors)."""
         try:
             return self._compiled.render(
-                messages=[{"role": "user", "content": content}], tools=None, documents=None,
-                add_generation_prompt=generation_prompt, **self.template_kwargs)
+                messages=[*before, {"role": role, "content": content}], tools=None,
+                documents=None, add_generation_prompt=generation_prompt, **self.template_kwargs)
         except Exception:  # a template that refuses the probe: no evidence either way
             return None
 
@@ -226,6 +231,48 @@ class ChatRenderer:
         probe = "\ue002probe\ue003"
         return probe not in (self._probe(probe) or "") and \
             probe in (self._probe([{"type": "text", "text": probe}]) or "")
+
+    def _plain_roles(self) -> frozenset[str]:
+        """The roles a template of typed user contents writes a plain string content of (one
+        that iterates a user's parts but writes ``message['content']`` of an answer, which
+        would otherwise train the parts' Python text)."""
+        probe = "\ue002probe\ue003"
+        user = {"role": "user", "content": [{"type": "text", "text": "Hi"}]}
+        return frozenset(role for role, before in (("system", ()), ("assistant", (user,)))
+                         if probe in (self._probe(probe, before=before, role=role) or ""))
+
+    def _check_answers_written(self) -> None:
+        """ConfigError where the template writes an answer's turn without the answer (it reads
+        ``message['text']``, or typed parts of answers given as strings): every answer would
+        train its end of turn alone. Read from stand-in conversations (one answer; a system
+        turn and two answers); one the template fails on is no evidence."""
+        answer = {"role": "assistant", "content": _ANSWER_PROBE}
+        for probe in ([{"role": "user", "content": "Hi"}, answer],
+                      [{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": "Hi"}, answer,
+                       {"role": "user", "content": "And?"}, answer]):
+            try:
+                text, spans = self.render(probe)
+            except TextError:
+                continue
+            trained = [text[span.start:span.end] for span in spans]
+            written = [piece for piece in trained if _ANSWER_PROBE in piece]
+            wrong = next((piece for piece in written if piece.rpartition(_ANSWER_PROBE)[2]
+                          .strip() not in ("", self.eot)), None)
+            if wrong is None and len(written) == sum(m["role"] == "assistant" for m in probe):
+                continue
+            shown = wrong if wrong is not None else next(
+                (piece for piece in trained if _ANSWER_PROBE not in piece), "")
+            raise ConfigError(
+                ("the configured chat_template" if self.config.chat_template else
+                 f"tokenizer {self.config.tokenizer!r}'s chat template") +
+                " does not write an answer's content as the answer (a stand-in answer "
+                f"{_ANSWER_PROBE!r} trains {shown!r}): every answer would train " +
+                ("other text" if wrong is not None else "its end of turn alone") +
+                "; does it read message['text'] or typed parts where a message's content "
+                "is message['content'], a string? Mend it" + (
+                    ", or leave chat_template out to use the tokenizer's own"
+                    if self.config.chat_template else ", or give one as chat_template"))
 
     def _generation_prompt(self) -> str:
         """What the template writes to prompt an answer (``add_generation_prompt``), read from
@@ -250,7 +297,8 @@ class ChatRenderer:
     def _for_template(self, messages):
         if not self.typed_contents:
             return messages
-        return [{**m, "content": typed_parts(m["content"])} for m in messages]
+        return [m if m["role"] in self.plain_roles else {**m, "content": typed_parts(m["content"])}
+                for m in messages]
 
     def _tool_use(self, messages) -> list[dict] | None:
         """The tools to render a conversation with (``[]`` where it lists none), None where it
@@ -355,8 +403,7 @@ class ChatRenderer:
                                     "differently on its own than within the conversation (a "
                                     "default system prompt added once there are turns?): "
                                     "start the conversation with a user turn (or a system "
-                                    "turn)" if first else
-                                    "give a chat_template with {% generation %} blocks"))
+                                    "turn)" if first else _rewritten(before, after, text)))
             spans.append((len(before), len(after)))
         return spans
 
@@ -449,6 +496,23 @@ class ChatRenderer:
             parts.append(piece)
             position += len(piece)
         return "".join(parts), spans
+
+
+def _rewritten(before: str, after: str, text: str) -> str:
+    """How a template writes an answer's turn otherwise than its prefixes say, and what to do:
+    ``before``, the render up to it with the generation prompt; ``after``, up to it and with
+    it; ``text``, the whole conversation's."""
+    prompted = not after.startswith(before)
+    shorter, longer = (before, after) if prompted else (after, text)
+    at = next((k for k, (a, b) in enumerate(zip(shorter, longer)) if a != b), len(shorter))
+    said = (f"the turns before it, rendered with the generation prompt, end "
+            f"{shorter[at:at + 40]!r}, followed by it {longer[at:at + 40]!r}" if prompted else
+            f"where the conversation ends with it the template writes {shorter[at:at + 40]!r}, "
+            f"where later turns follow {longer[at:at + 40]!r} (an empty think block on the "
+            "last answer alone, as Qwen3's template writes?)")
+    return (f"{said}: give a chat_template with {{% generation %}} blocks around what each "
+            "answer writes (mimo's copy of Qwen3.5's, mimo_data/preprocess/templates/"
+            "qwen3_5.jinja, is one), or one record per answer")
 
 
 def _weighed(messages: Sequence[Mapping[str, Any]], spans: list) -> list:
