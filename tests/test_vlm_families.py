@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -426,17 +427,48 @@ def test_a_video_modality_for_llava_s_tower_says_the_model_takes_none():
     ({"projector_hidden_act": "relu"}, "a 'relu' projector \\(GELU is mapped\\)"),
     ({"vision_feature_select_strategy": "full"}, "full on a tower with a CLS row"),
     ({"multimodal_projector_bias": False}, "a projector without biases"),
+    # a SigLIP tower (no CLS row) whose first patch default would drop
+    ({"vision_config": "siglip", "vision_feature_select_strategy": "default"},
+     "default on a tower without a CLS row \\(it drops each image's first patch"),
+    # past the embeddings and 3 layers, either way (transformers fails on either too)
+    ({"vision_feature_layer": -5}, "vision_feature_layer -5, past its tower's hidden states "
+                                   "\\(-4 to 3: the embeddings, then 3 layers"),
+    ({"vision_feature_layer": [-2, 4]}, "vision_feature_layer 4, past"),
 ])
 def test_llava_variants_mimo_cannot_take_are_refused(tmp_path, change, reason):
-    from transformers import AutoConfig
+    from transformers import AutoConfig, SiglipVisionConfig
     config = AutoConfig.from_pretrained(FAMILIES["llava"][0])
     for key, value in change.items():
-        setattr(config, key, value)
+        setattr(config, key, SiglipVisionConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+            image_size=56, patch_size=14) if value == "siglip" else value)
     config.save_pretrained(tmp_path)
     with pytest.raises(TrainConfigError, match=reason):
         from mimo_train.config import TrainConfig
         from mimo_train.plan import resolve
         resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={tmp_path}"]))
+
+
+def test_llava_configs_transformers_misreads_or_cannot_read_are_refused(tmp_path):
+    """A LLaVA config.json without its text_config (transformers would fill in a 7B Llama's
+    dims), a value transformers' strict validation refuses, the original LLaVA repository's
+    format: each one message naming what to do, never a traceback or "upgrade transformers"."""
+    from mimo_train.families.registry import read_vlm
+    given = json.loads((FAMILIES["llava"][0] / "config.json").read_text())
+    for name, config, said in (
+            ("flat", {k: v for k, v in given.items() if k != "text_config"},
+             "its config.json is a 'llava' model's without its text_config (the language "
+             "model's dims, which transformers would fill with its defaults)"),
+            ("strict", {**given, "vision_feature_select_strategy": "cls_patch"},
+             "from which transformers cannot read a model config ("),
+            ("original", {**given, "model_type": "llava_llama"},
+             "is in the original LLaVA repository's format (liuhaotian/llava-v1.5-7b's "
+             "model_type 'llava_llama'), which transformers does not read: give its llava-hf "
+             "conversion")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        with pytest.raises(TrainConfigError, match=re.escape(said)):
+            read_vlm(str(tmp_path / name))
 
 
 def test_a_modality_token_may_be_its_own_marker_only():
@@ -463,6 +495,50 @@ def test_a_processor_that_resizes_otherwise_is_refused():
     squashed = ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14)
     with pytest.raises(EncoderBuildError, match="do_center_crop True.*crop False"):
         LlavaVision(squashed, 0, 0, 0, pretrained=read_vlm(str(FAMILIES["llava"][0])))
+
+
+def test_a_processor_that_pads_to_a_square_is_followed(tmp_path, corpus):
+    """``LlavaImageProcessor`` with ``do_pad`` (LLaVA's ``image_aspect_ratio: pad``): each
+    image centred on a square of the mean colour before its resize and crop. The config derived
+    from the checkpoint pads; its pixels are the processor's; a config that does not pad is
+    refused."""
+    import dataclasses
+
+    from PIL import Image, ImageOps
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    from mimo_data.modalities.image import decode_image, image_encoder_inputs
+    from mimo_data.preprocess.preprocessor import media_item
+    from mimo_train.errors import EncoderBuildError
+    from mimo_train.families.llava import LlavaVision
+    from mimo_train.families.registry import preprocessing_for, read_vlm
+    checkpoint = FAMILIES["llava"][0]
+    for each in checkpoint.iterdir():
+        if each.name != "preprocessor_config.json":
+            (tmp_path / each.name).symlink_to(each)
+    processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
+        {**processor, "image_processor_type": "LlavaImageProcessor", "do_pad": True}))
+    derived = preprocessing_for(str(tmp_path))["modalities"]["image"]
+    assert derived["pad"] is True and derived["crop"] is True
+    image = PreprocessConfig.from_dict(preprocessing_for(str(tmp_path))).modalities["image"]
+    data = [(corpus / "images" / name).read_bytes() for name in NAMES]
+    pictures = [ImageOps.exif_transpose(Image.open(corpus / "images" / n)).convert("RGB")
+                for n in NAMES]
+    assert all(p.width != p.height for p in pictures)
+    theirs = LlavaImageProcessorPil.from_pretrained(tmp_path)(images=pictures,
+                                                             return_tensors="pt")
+    inputs = image_encoder_inputs([decode_image(d, media_item("image", d, i)["orientation"],
+                                                image) for i, d in enumerate(data)], image)
+    assert torch.equal(normalize_pixels(inputs["pixel_values"], image), theirs["pixel_values"])
+    unpadded = image_encoder_inputs([decode_image(d, media_item("image", d, i)["orientation"],
+                                                  image) for i, d in enumerate(data)],
+                                    dataclasses.replace(image, pad=False))
+    assert not torch.equal(unpadded["pixel_values"], inputs["pixel_values"])
+    with pytest.raises(EncoderBuildError, match=r"pads each image to a square of its image_mean "
+                       r"colour first \(do_pad: true.*set modalities.image.pad: true"):
+        LlavaVision(dataclasses.replace(image, pad=False), 0, 0, 0,
+                    pretrained=read_vlm(str(tmp_path)))
 
 
 def test_preprocessing_for_prints_the_derived_config(capsys, monkeypatch):

@@ -56,7 +56,8 @@ class ImageConfig:
     ``dynamic`` (Qwen2-VL): resize so both sides are multiples of ``patch_size * merge_size``
     within [min_pixels, max_pixels]; ``(h/(patch*merge)) * (w/(patch*merge))`` tokens.
     ``fixed`` (CLIP/SigLIP): resize to ``image_size`` square (squashed as SigLIP's processor
-    does, or with ``crop`` the short side to ``image_size`` then the centre square, as CLIP's);
+    does, or with ``crop`` the short side to ``image_size`` then the centre square, as CLIP's;
+    with ``pad``, padded to a square of the ``mean`` colour first, as LLaVA's ``pad``);
     ``(image_size // patch)^2`` tokens.
     """
     token: str = "<|image_pad|>"
@@ -69,6 +70,7 @@ class ImageConfig:
     max_pixels: int = 256 * 28 * 28
     image_size: int = 224
     crop: bool = False                # fixed: short side to image_size, then the centre square
+    pad: bool = False                 # fixed: first padded to a square of the mean colour
     mean: tuple = CLIP_MEAN
     std: tuple = CLIP_STD
     max_image_pixels: int = 89_478_485   # decode refuses larger images (decompression bombs)
@@ -83,9 +85,10 @@ class ImageConfig:
         if self.policy == "fixed" and self.image_size < self.patch_size:
             raise ConfigError(f"modalities.image.image_size {self.image_size} is smaller than "
                               f"patch_size {self.patch_size}")
-        if self.crop and self.policy != "fixed":
-            raise ConfigError("modalities.image.crop applies to the fixed policy only: drop it "
-                              "or set policy: fixed")
+        for key in ("crop", "pad"):
+            if getattr(self, key) and self.policy != "fixed":
+                raise ConfigError(f"modalities.image.{key} applies to the fixed policy only: "
+                                  "drop it or set policy: fixed")
         if self.policy == "dynamic" and self.min_pixels > self.max_pixels:
             raise ConfigError(f"modalities.image.min_pixels ({self.min_pixels}) is above "
                               f"max_pixels ({self.max_pixels}): give min_pixels <= max_pixels")
@@ -407,6 +410,8 @@ def image_encoder_inputs(images: list[Image.Image], cfg: ImageConfig) -> dict[st
         side = cfg.image_size
         pixels = np.empty((len(images), 3, side, side), np.uint8)
         for out, image in zip(pixels, images):
+            if cfg.pad:
+                image = _padded_square(image, cfg.mean)
             if cfg.crop:
                 resized = _center_square(image.resize(_short_side_size(image, side),
                                                       Image.Resampling.BICUBIC), side)
@@ -436,6 +441,18 @@ def _short_side_size(image: Image.Image, side: int) -> tuple[int, int]:
     height, width = get_resize_output_image_size(shape, side, default_to_square=False,
                                                  input_data_format="channels_first")
     return width, height
+
+
+def _padded_square(image: Image.Image, mean: tuple) -> Image.Image:
+    """``image`` centred on a square of its long side, filled with the colour ``mean`` (0..1
+    per channel, truncated to bytes): LLaVA's ``image_aspect_ratio: pad``, as transformers'
+    ``LlavaImageProcessor`` pads (``do_pad``), offsets rounded down."""
+    side = max(image.size)
+    if image.width == image.height:
+        return image
+    square = Image.new("RGB", (side, side), tuple(int(x * 255) for x in mean))
+    square.paste(image, ((side - image.width) // 2, (side - image.height) // 2))
+    return square
 
 
 def _center_square(image: Image.Image, side: int) -> Image.Image:

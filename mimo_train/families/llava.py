@@ -3,10 +3,11 @@ projector, a Llama / Qwen2 / Qwen3 language model).
 
 ``LlavaVision`` is the tower as transformers' ``LlavaModel`` uses it: fixed-size images
 (``policy: fixed``; ``crop: true`` for a CLIP image processor's short-side resize and centre
-crop) through the tower, the hidden states of ``vision_feature_layer`` (several layers:
-concatenated along the features), the CLS row dropped under ``vision_feature_select_strategy:
-default``; one row per patch. The projector (``multi_modal_projector.linear_1``, GELU,
-``linear_2``) is mimo's ``mlp`` projection, its weights loaded as the checkpoint's. Positions
+crop; ``pad: true`` for ``LlavaImageProcessor``'s ``do_pad``, each image a square first)
+through the tower, the hidden states of ``vision_feature_layer`` (several layers: concatenated
+along the features), the CLS row dropped under ``vision_feature_select_strategy: default``;
+one row per patch. The projector (``multi_modal_projector.linear_1``, GELU, ``linear_2``) is
+mimo's ``mlp`` projection, its weights loaded as the checkpoint's. Positions
 are sequential, images have no wrapping tokens.
 
 Weights sit under ``model.vision_tower.`` / ``model.multi_modal_projector.`` /
@@ -15,8 +16,8 @@ Weights sit under ``model.vision_tower.`` / ``model.multi_modal_projector.`` /
 checkpoints on the hub).
 
 Refused: a tower other than CLIP or SigLIP, a projector activation other than GELU or without
-biases, and ``full`` selection on a tower with a CLS row (one token more per image than the
-image modality counts).
+biases, ``full`` selection on a tower with a CLS row (one token more per image than the image
+modality counts), ``default`` on one without (one fewer), and a feature layer past the tower's.
 """
 
 from __future__ import annotations
@@ -56,6 +57,16 @@ def read(config, path: str) -> VLM:
     if config.vision_feature_select_strategy == "full" and TOWERS.get(tower):
         problems.append("vision_feature_select_strategy full on a tower with a CLS row (one "
                         "token per image more than the image modality counts)")
+    if config.vision_feature_select_strategy == "default" and TOWERS.get(tower) is False:
+        problems.append("vision_feature_select_strategy default on a tower without a CLS row "
+                        "(it drops each image's first patch: one token per image fewer than "
+                        "the image modality counts; llava-interleave's checkpoints say full)")
+    depth = config.vision_config.num_hidden_layers
+    outside = [layer for layer in _feature_layers(config) if not -depth - 1 <= layer <= depth]
+    if outside:
+        problems.append(f"vision_feature_layer {outside[0]}, past its tower's hidden states "
+                        f"(-{depth + 1} to {depth}: the embeddings, then {depth} layers; "
+                        "transformers fails on it too)")
     if problems:
         raise TrainConfigError(f"model.pretrained {path} is a LLaVA with "
                                f"{'; '.join(problems)}, which mimo does not take")
@@ -77,6 +88,7 @@ def image_geometry(config, processor: dict) -> dict:
     side = (processor["crop_size"] if crop else processor["size"])["height"]
     return {"policy": "fixed", "image_size": side,
             "patch_size": config.vision_config.patch_size, "crop": crop,
+            **({"pad": True} if processor.get("do_pad") else {}),
             "mean": processor["image_mean"], "std": processor["image_std"]}
 
 
@@ -168,3 +180,11 @@ def check_resize(pretrained: str, image: ImageConfig) -> None:
             f"{path} resizes with size {size}, do_center_crop {crop}, crop_size "
             f"{saved.get('crop_size')}; the preprocessing config gives image_size {side}, crop "
             f"{image.crop}: set modalities.image.image_size and crop to the processor's")
+    pad = bool(saved.get("do_pad"))
+    if pad != image.pad:
+        raise EncoderBuildError(
+            f"{path} " + ("pads each image to a square of its image_mean colour first (do_pad: "
+                          "true, LLaVA's image_aspect_ratio pad)" if pad else
+                          "pads no image (no do_pad)") +
+            f"; the preprocessing config gives pad {image.pad}: set modalities.image.pad: "
+            f"{str(pad).lower()}")

@@ -18,6 +18,8 @@ from mimo_data.modalities.image import ImageConfig
 from mimo_train.families import qwen2_vl
 from mimo_train.families.base import VLM
 
+FLAT_CONFIG = qwen2_vl.FLAT_CONFIG      # its published config.json is as flat
+
 image_geometry = qwen2_vl.image_geometry
 
 

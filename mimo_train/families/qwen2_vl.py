@@ -25,6 +25,8 @@ from mimo_train.errors import EncoderBuildError
 from mimo_train.families.base import (VLM, Encoder, check_preprocessor, normalization,
                                       param_dtype)
 
+# the published config.json holds the language model's keys at its top level (no text_config)
+FLAT_CONFIG = True
 VISION_PREFIXES = ("model.visual.", "visual.")
 
 

@@ -49,6 +49,16 @@ REFUSED = {
 }
 
 
+# model types of the original LLaVA repositories' checkpoints, which transformers reads once
+# converted (its llava-hf conversions: convert_llava_weights_to_hf.py)
+ORIGINAL_FORMATS = {
+    kind: ("in the original LLaVA repository's format (liuhaotian/llava-v1.5-7b's model_type "
+           f"{kind!r}), which transformers does not read: give its llava-hf conversion "
+           "(llava-hf/llava-1.5-7b-hf for LLaVA-1.5; transformers' "
+           "models/llava/convert_llava_weights_to_hf.py converts another)")
+    for kind in ("llava_llama", "llava_mistral", "llava_mpt")}
+
+
 def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
                   num_attention_heads: int, pretrained: str | None) -> Encoder:
     """The encoder class named by ``kind``, in fp32; ``pretrained`` a model directory (or
@@ -82,12 +92,17 @@ def read_vlm(path: str, key: str = "model.pretrained", tower: bool = True) -> VL
                                f"vision-language model mimo takes ({', '.join(VLMS)}); give "
                                "the language model as model.language.pretrained and each "
                                "encoder as model.encoders.<module>.pretrained instead")
-    given = _given_config(path) if tower else None
-    if given is not None and "vision_config" not in given:
+    given = _given_config(path)
+    flat = getattr(VLMS[family], "FLAT_CONFIG", False)     # no text_config in its own files
+    missing = {part: dims for part, dims, needed in (
+        ("vision_config", "the tower's dims", tower),
+        ("text_config", "the language model's dims", not flat))
+        if needed and given is not None and part not in given}
+    if missing:
         raise TrainConfigError(f"{key} {path}: its config.json is a {family!r} model's without "
-                               "its vision_config (the tower's dims, which transformers would "
-                               "fill with its defaults): give the checkpoint's whole "
-                               "config.json")
+                               f"its {' and '.join(missing)} ({' and '.join(missing.values())}"
+                               ", which transformers would fill with its defaults): give the "
+                               "checkpoint's whole config.json")
     vlm = VLMS[family].read(config, path)
     return vlm if vlm.video_token_id is None else dataclasses.replace(
         vlm, video_inputs=_video_inputs(vlm, config, path))
@@ -179,9 +194,13 @@ def checkpoint_config(path: str, key: str):
         raise TrainConfigError(f"{key}: {why}")
     if why := _adapter_folder(path) or _training_checkpoint(path, key):
         raise TrainConfigError(f"{key}: {why}")
+    from huggingface_hub.errors import StrictDataclassError
     try:
         return _read_config(path)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, StrictDataclassError) as error:
+        original = ORIGINAL_FORMATS.get(str((_given_config(path) or {}).get("model_type")))
+        if original:
+            raise TrainConfigError(f"{key} {path} is {original}") from None
         raise TrainConfigError(
             f"{key} is {path!r}, from which transformers cannot read a model config ({error}): "
             "give a model directory holding config.json (or a hub name already in the local "
