@@ -661,6 +661,31 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
     # the command line: the same answer
     assert generate(["--model", str(out), "--video", str(corpus / clip.path), "--prompt",
                      "What is shown?", "--max-new-tokens", "8"]) == 0
+    # the clip's frames as a folder of JPEGs (a frames dataset's form): one clip of them at
+    # --frames-fps, its tokens what the video processor makes of them; without it, said
+    import io
+
+    import numpy as np
+    from PIL import Image
+    folder = run_data["tmp"] / "frames"
+    folder.mkdir(exist_ok=True)
+    for number, frame in enumerate(frames):
+        Image.fromarray(frame).save(folder / f"{number:04d}.jpg", quality=95)
+    decoded = np.stack([np.asarray(Image.open(io.BytesIO((folder / f"{n:04d}.jpg").read_bytes()))
+                                   .convert("RGB")) for n in range(len(frames))])
+    reference = video_processor(video)(
+        videos=[decoded], video_metadata=[{"total_num_frames": len(frames), "fps": 4.0}],
+        return_tensors="pt")
+    from_folder = generator.generate("What is shown?", videos=[str(folder)], max_new_tokens=2,
+                                     frames_fps=4.0)
+    assert from_folder.spliced == {"video": int(reference["video_grid_thw"].prod())
+                                   // video.merge_size ** 2}
+    capsys.readouterr()
+    assert generate(["--model", str(out), "--video", str(folder), "--prompt", "Why?"]) == 2
+    assert f"--video {folder} is a folder: give a file (a folder of JPEG frames: give " \
+        "--frames-fps R" in capsys.readouterr().err
+    assert generate(["--model", str(out), "--video", str(folder), "--frames-fps", "4",
+                     "--prompt", "Why?", "--max-new-tokens", "2"]) == 0
     # a clip the video processor cannot sample is named as the user gave it
     still = corpus / corpus_videos["still_h264_10"].path
     capsys.readouterr()

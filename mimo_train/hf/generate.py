@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--video", type=user_path, action="append", default=[], metavar="PATH",
                         help="a video file (repeatable, in marker order); its frames are "
                         "sampled as training samples them")
+    parser.add_argument("--frames-fps", type=float, metavar="R",
+                        help="the rate a --video folder of JPEG frames was taken at (frames a "
+                        "second), as mimo-shard build --frames-fps: the folder is one clip "
+                        "of its frames in the order of their numbers")
     parser.add_argument("--audio", type=user_path, action="append", default=[], metavar="PATH",
                         help="an audio file (repeatable, in marker order)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
@@ -137,6 +141,11 @@ def main(argv=None) -> int:
                      "T to sample)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p is {args.top_p}: it must be in (0, 1]")
+    if args.frames_fps is not None:
+        from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
+        if not MIN_FPS <= args.frames_fps <= MAX_FPS:
+            parser.error(f"--frames-fps is {args.frames_fps:g}: frames are taken {MIN_FPS:g} "
+                         f"to {MAX_FPS:g} a second")
     if args.prompt_file is not None:
         args.prompt = _prompt_of(args.prompt_file, parser)
     console.quiet_third_party()
@@ -147,7 +156,8 @@ def main(argv=None) -> int:
                                     max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature,
                                     top_p=1.0 if args.top_p is None else args.top_p,
-                                    seed=args.seed or 0, thinking=not args.no_thinking)
+                                    seed=args.seed or 0, thinking=not args.no_thinking,
+                                    frames_fps=args.frames_fps)
     except GenerateError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
@@ -290,8 +300,9 @@ class Generator:
     def generate(self, prompt: str, images: Sequence[str] = (), audios: Sequence[str] = (),
                  max_new_tokens: int = 64, temperature: float | None = None,
                  top_p: float = 1.0, seed: int = 0, videos: Sequence[str] = (),
-                 thinking: bool = True) -> Generation:
-        """Answer ``prompt`` about the ``images``, ``videos`` and ``audios`` (file paths);
+                 thinking: bool = True, frames_fps: float | None = None) -> Generation:
+        """Answer ``prompt`` about the ``images``, ``videos`` and ``audios`` (file paths; a
+        video a folder of frames taken ``frames_fps`` a second);
         ``thinking=False``: the template's ``enable_thinking`` false (its default otherwise)."""
         import torch
         files = {"image": list(images), "video": list(videos), "audio": list(audios)}
@@ -312,7 +323,8 @@ class Generator:
                   "enable_thinking (it has no thinking to turn off): the prompt is the same",
                   file=sys.stderr)
         built, items = self._prompt(content, order, files,
-                                    None if thinking else {"enable_thinking": False})
+                                    None if thinking else {"enable_thinking": False},
+                                    frames_fps)
         ids = built.input_ids.to(self.device)
         self._say_longer(len(ids), max_new_tokens)
         sampling: dict[str, Any] = dict(
@@ -421,17 +433,21 @@ class Generator:
                   "truncate)", file=sys.stderr)
 
     def _prompt(self, content: str, order: list[str], files: dict,
-                template_options: dict | None = None):
+                template_options: dict | None = None, frames_fps: float | None = None):
         from mimo_data.modalities import MediaError
         from mimo_data.preprocess.chat_tokens import TextError
         from mimo_data.modalities.image import still_image, video_or_audio
+        from mimo_data.modalities.video.frames import frames_clip
         from mimo_data.preprocess.preprocessor import SampleDropped, media_item
         media, seen, paths = [], dict.fromkeys(files, 0), {}
         for modality in order:
             path = files[modality][seen[modality]]
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
+                if modality == "video" and frames_fps and os.path.isdir(path):
+                    data = frames_clip(path, frames_fps)      # as the build makes it
+                else:
+                    with open(path, "rb") as f:
+                        data = f.read()
                 if modality == "image" and (kind := video_or_audio(data)):
                     raise GenerateError(     # the wrong option: a usage error, not bad data
                         f"--image {path} is {kind}, not an image: give a clip as --video, "
@@ -446,8 +462,9 @@ class Generator:
                 self._say_cut(modality, path, media[-1][0])
             except IsADirectoryError:
                 raise GenerateError(f"--{modality} {path} is a folder: give a file" + (
-                    " (a folder of frames trains through mimo-shard build --frames-fps; make "
-                    "it a clip to generate with)" if modality == "video" else "")) from None
+                    " (a folder of JPEG frames: give --frames-fps R, the rate they were taken "
+                    "at, as mimo-shard build takes it)" if modality == "video" else "")
+                    ) from None
             except OSError as error:
                 raise GenerateError(f"--{modality} {path}: {error.strerror or error}"
                                     ) from None
