@@ -440,6 +440,8 @@ def test_a_drop_only_decoding_can_see_is_an_error_not_a_skip(tmp_path, assets, c
     with pytest.raises(LoaderError) as error:
         list(images)
     assert f"0/{row['key']}" in str(error.value) and "mimo-shard verify" in str(error.value)
+    # named where the build read it, as every other message names a record
+    assert f"({tmp_path / 'in.jsonl'}:2, id 'r1') is dropped at load time" in str(error.value)
 
 
 def test_spawned_workers_and_parallel_drop_decisions_agree(sources, loader_corpus, configs,

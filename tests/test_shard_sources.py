@@ -520,7 +520,9 @@ def test_a_record_of_no_form_mimo_reads_says_what_it_is(tmp_path, corpus):
     records = [{"id": "chat", "conversations": [{"from": "human", "value": "Hi."},
                                                {"from": "gpt", "value": "Hello."}]},
                {**line, "audio_filepath": str(corpus / line["audio_filepath"])},
-               {"instruction": "Add.", "input": "1+1", "output": "2"}, None]
+               {"instruction": "Add.", "input": "1+1", "output": "2"}, None,
+               # Common Voice's form: a clip and its transcript
+               {"audio": str(corpus / line["audio_filepath"]), "sentence": line["text"]}]
     (tmp_path / "mixed.json").write_text(json.dumps(records))
     build_dataset([tmp_path / "mixed.json"], tmp_path / "out")
     details = [entry["detail"] for entry in read_json(tmp_path / "out" / "report.json")[
@@ -534,6 +536,12 @@ def test_a_record_of_no_form_mimo_reads_says_what_it_is(tmp_path, corpus):
     assert details[1].endswith("a 'texts' document or MMC4's 'text_list' and 'image_info': "
                                "convert other forms first (alpaca's instruction/input/output, "
                                "query/response, video QA's q/a)"), details[1]
+    assert details[2] == (
+        "no conversation: a speech record, its audio and its transcript under 'sentence' "
+        "(Common Voice's, a datasets to_json's form): give the transcript as 'caption' (a "
+        "caption pair: the model hears the audio, writes the text), e.g. jq -c '. + {caption: "
+        ".sentence} | del(.sentence)' FILE > pairs.jsonl, or write a NeMo manifest "
+        "(audio_filepath, duration, text)")
     (null,) = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"][
         "malformed_json"]["first"]
     assert null["detail"] == "record is a JSON null, expected an object", null

@@ -611,9 +611,10 @@ def test_a_clip_that_cannot_be_used_is_refused_as_data(generator, tmp_path):
                                "fewer than the 201 one log-mel frame needs (Whisper's window): "
                                "give a longer clip"),
                        (long, f"--audio {long} lasts {limit + 0.1:g} s, above max_duration "
-                              f"{limit} s: cut the clip to modalities.audio.max_duration, or "
-                              f"set modalities.audio.long_audio: truncate in {preprocess} for "
-                              "the model to hear its first max_duration seconds")):
+                              f"{limit} s (modalities.audio.long_audio: truncate keeps its "
+                              "first max_duration seconds; a pretrained Whisper hears 30 s at "
+                              "most): cut the clip to max_duration, or set long_audio: "
+                              f"truncate in {preprocess}")):
         with pytest.raises(GenerateError, match=re.escape(said)) as refused:
             generator.generate("Transcribe.", audios=[str(path)], max_new_tokens=1)
         assert refused.value.exit_code == 1

@@ -81,9 +81,8 @@ from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shards import cache, storage
 from mimo_data.preprocess.record_kinds import trains_as
-from mimo_data.shards.sources import location
 from mimo_data.shards.format import (RECORD_KINDS, REPORT_FILE, SKIPPED_FILE, SPLIT_EXCLUDED,
-                                     ShardRecord, summary_column)
+                                     ShardRecord, record_origin, summary_column)
 from mimo_data.shards.info import skipped_counts
 from mimo_data.shards.index import DatasetError, read_samples
 from mimo_data.shards.reader import ShardReader
@@ -354,18 +353,6 @@ def _check_message(result: dict, flagged: Flagged,
 def _short(detail: str, limit: int = 120) -> str:
     """``detail`` cut at a word before ``limit`` characters, marked as cut."""
     return detail if len(detail) <= limit else detail[:limit].rsplit(" ", 1)[0] + " …"
-
-
-def record_origin(record: ShardRecord) -> str:
-    """Where a sample was read from, as the build named it (``llava.json[15]``, ``a.jsonl:3``,
-    ``t.parquet#8``; a tar indexed in place: its tar and key), and its id."""
-    source = record.get("source") or {}
-    kind = next((kind for kind in ("line", "index", "row") if kind in source), None)
-    where = (location(str(source["file"]), kind, int(source[kind])) if kind and "file" in source
-             else f"{source['file']} key {source['key']}" if "key" in source
-             and "file" in source else "")
-    named = f"id {record['id']!r}" if record.get("id") is not None else ""
-    return ", ".join(part for part in (where, named) if part)
 
 
 def _read_record(reader: ShardReader, position: int) -> ShardRecord | SampleStats:

@@ -82,7 +82,7 @@ from mimo_data.loading.sample_order import (DatasetShape, SampleOrder, TooFewSam
                                              micro_batch_slice, weights_fault)
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
-from mimo_data.shards.format import ShardRecord
+from mimo_data.shards.format import ShardRecord, record_origin
 from mimo_data.shards.index import remake
 from mimo_data.shards.reader import ShardReader
 from mimo_data.loading.tensor_pack import pack, unpack
@@ -469,7 +469,7 @@ class _RankStream(torch.utils.data.IterableDataset):
             return self.source.metadata_sample((dataset, position), text)
         except SampleDropped as exc:
             raise LoaderError(
-                f"{reader.directory}: sample {record['key']} ({record.get('source')}) is dropped "
+                f"{reader.directory}: sample {record['key']} ({record_origin(record)}) is dropped "
                 f"at load time ({exc.reason}: {exc.detail}) but the metadata-only pass kept it, "
                 "so other modules will train on it; skipping it here would desynchronise the "
                 f"modules. Run `mimo-shard verify`, {remake(reader.index)} with `--check "

@@ -470,7 +470,9 @@ class AudioModality(Modality):
     def item_tokens(self, item: MediaItem, config: AudioConfig) -> int:
         if audio_too_long(item["frames"], item["sample_rate"], config):
             raise MediaError("audio_too_long", f"{item_name(item)} lasts {item['duration']} s, "
-                             f"above max_duration {config.max_duration} s")
+                             f"above max_duration {config.max_duration} s (modalities.audio."
+                             "long_audio: truncate keeps its first max_duration seconds; a "
+                             "pretrained Whisper hears 30 s at most)")
         resampled = resampled_length(item["frames"], item["sample_rate"], config.sample_rate)
         if resampled < MIN_AUDIO_SAMPLES:
             raise MediaError("audio_too_short", f"{item_name(item)} lasts "

@@ -182,6 +182,27 @@ class ShardRecord(TypedDict):
     text: NotRequired[str]       # captions (no markers) and documents (markers in place)
     media: list[MediaItem]       # in marker order across messages (or the document's text)
 
+
+_LOCATIONS = {"line": "{}:{}", "index": "{}[{}]", "row": "{}#{}"}
+
+
+def location(path: str, kind: str, number: int) -> str:
+    """A record's human-readable location from its origin (``kind``: line, index or row)."""
+    return _LOCATIONS[kind].format(path, number)
+
+
+def record_origin(record: ShardRecord) -> str:
+    """Where a sample was read from, as the build named it (``llava.json[15]``, ``a.jsonl:3``,
+    ``t.parquet#8``; a tar indexed in place: its tar and key), and its id."""
+    source = record.get("source") or {}
+    kind = next((kind for kind in ("line", "index", "row") if kind in source), None)
+    where = (location(str(source["file"]), kind, int(source[kind])) if kind and "file" in source
+             else f"{source['file']} key {source['key']}" if "key" in source
+             and "file" in source else "")
+    named = f"id {record['id']!r}" if record.get("id") is not None else ""
+    return ", ".join(part for part in (where, named) if part)
+
+
 FORMAT_NAME = "mimo-shards"
 FORMAT_VERSION = 1            # what `mimo-shard build` writes
 INDEXED_VERSION = 2           # `mimo-shard index`: shard_root, records.parquet

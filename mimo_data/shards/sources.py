@@ -29,6 +29,7 @@ from mimo_data.errors import listed
 from mimo_data.files import (compression_named, compression_of, compression_suffix,
                               decompress_command, not_found)
 from mimo_data.shards import storage
+from mimo_data.shards.format import location
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.records import (PART_MODALITIES, RecordError, as_turns,
                                       conversation_turns, json_type, mmc4_document,
@@ -46,14 +47,6 @@ class Task:
     locator: Any
     location: str          # human readable: "file:line", "file[index]", "file#row"
     origin: tuple          # ("line", n) | ("index", i) | ("row", r), stored in the sample JSON
-
-
-_LOCATIONS = {"line": "{}:{}", "index": "{}[{}]", "row": "{}#{}"}
-
-
-def location(path: str, kind: str, number: int) -> str:
-    """A task's human-readable location from its origin (``kind``: line, index or row)."""
-    return _LOCATIONS[kind].format(path, number)
 
 
 @dataclass
@@ -444,6 +437,16 @@ class ConversationFile:
                                   "records inside an object?): give that list as the file, "
                                   f"e.g. jq '.{key}' FILE > records.json, or jq -c "
                                   f"'.{key}[]' FILE > records.jsonl")
+        transcript = next((key for key in _TRANSCRIPT_KEYS if isinstance(record.get(key), str)),
+                          None)
+        if turns is None and media["audio"] and transcript:
+            raise RecordError("malformed_record", f"no conversation: a speech record, its audio "
+                              f"and its transcript under {transcript!r} (Common Voice's, a "
+                              "datasets to_json's form): give the transcript as 'caption' "
+                              "(a caption pair: the model hears the audio, writes the text), "
+                              f"e.g. jq -c '. + {{caption: .{transcript}}} | "
+                              f"del(.{transcript})' FILE > pairs.jsonl, or write a NeMo "
+                              "manifest (audio_filepath, duration, text)")
         if turns is None:
             raise RecordError("malformed_record", f"no conversation: the record has the keys "
                               f"{listed(map(repr, sorted(record)[:12]))}, and mimo reads "
@@ -462,6 +465,11 @@ class ConversationFile:
         return RawRecord(id=_record_id(record.get("id")), turns=turns, media=media,
                          tools=tool_lists(record), system=record.get("system"),
                          objects=record.get("objects"))
+
+
+# where speech datasets keep a clip's transcript (Common Voice's sentence, LibriSpeech's and
+# most datasets' text)
+_TRANSCRIPT_KEYS = ("sentence", "text", "transcript", "transcription", "normalized_text")
 
 
 # the keys of preference training's records (KTO's flags, a preference pair's answers)

@@ -21,7 +21,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from mimo_data.shards.sources import ConversationFile, ParquetTable, Task, location
+from mimo_data.shards.format import location
+from mimo_data.shards.sources import ConversationFile, ParquetTable, Task
 
 
 def stream(sources) -> Iterator[Task]:

@@ -50,9 +50,8 @@ PREFIX = "mimo-generate: "
 _MARKER = re.compile(r"<(image|video|audio)>")
 # what to do about a medium the preprocessing refuses (the reason training counts it under)
 _REMEDIES = {
-    "audio_too_long": "cut the clip to modalities.audio.max_duration, or set "
-                      "modalities.audio.long_audio: truncate in {preprocess} for the model to "
-                      "hear its first max_duration seconds",
+    "audio_too_long": "cut the clip to max_duration, or set long_audio: truncate in "
+                      "{preprocess}",
     "audio_too_short": "give a longer clip",
     "video_too_long": "cut the clip to modalities.video.max_duration (the longest clip the "
                       "run's preprocessing takes, in {preprocess}), or raise it there",
