@@ -148,7 +148,7 @@ def test_every_module_gets_every_kept_sample_once_in_the_same_order(
                 assert (encoder_items(inputs, modality) if inputs else 0) == expected
 
 
-def test_a_loader_says_what_it_drops(sources, table, tmp_path, loader_corpus):
+def test_a_loader_says_what_it_drops(sources, table, tmp_path, loader_corpus, configs):
     """The line training prints when its loaders are ready: samples kept and dropped by
     reason (the image-only config drops the audio samples) and the remainder left out."""
     layout = Layout.parse("language=dp1;image=dp1")
@@ -162,6 +162,16 @@ def test_a_loader_says_what_it_drops(sources, table, tmp_path, loader_corpus):
                          "remainder (drop)"), line
     reasons = loader.report()["samples"]["skipped_by_reason"]
     assert sum(entry["count"] for entry in reasons.values()) == dropped > 0
+    loader.close()
+    # records the build skipped are said too: the run trains without them
+    records = [{"image": str(tmp_path / name), "conversations": [
+        {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."}]}
+        for name in ("gone.png", "gone.png", "gone.png")]
+    records[0]["image"] = str(next((CORPUS_DIR / "images").glob("*.jpg")))
+    build_dataset([write_jsonl(tmp_path / "in.jsonl", records)], tmp_path / "ds")
+    loader = build_loader(str(tmp_path / "ds"), configs["image"], layout, 0, 2, 1, 1, 11)
+    assert loader.summary().startswith("1 sample, 1 kept (the build skipped 2 record(s): "
+                                       "mimo-inspect report names them); 1 step(s) an epoch")
     loader.close()
     packed = build_loader(sources["image"], None, layout, 0, 2, GLOBAL_BATCH, 2, 11,
                           packing=True)

@@ -844,10 +844,10 @@ class RankLoader:
                 "remainder_samples": self.order.remainder_samples}
 
     def summary(self) -> str:
-        """``report`` in a line: samples kept and dropped by reason, what an epoch draws from
-        each of several datasets (their blend), steps an epoch, the remainder's samples
-        (dropped, or repeated to fill the last step) and whether steps are token-balanced and
-        packed."""
+        """``report`` in a line: samples kept and dropped by reason, the records the builds
+        skipped, what an epoch draws from each of several datasets (their blend), steps an
+        epoch, the remainder's samples (dropped, or repeated to fill the last step) and
+        whether steps are token-balanced and packed."""
         order = self.order
         remainder = order.remainder_samples
         left = (f"; {remainder} sample(s) an epoch "
@@ -857,8 +857,14 @@ class RankLoader:
         blend = (f"; an epoch draws {' + '.join(map(str, order.quotas))} samples of the "
                  f"{len(kept)} datasets (kept {' + '.join(map(str, kept))})"
                  if len(kept) > 1 else "")
-        return (f"{self.source.tally.summary()}{blend}; {self.steps_per_epoch} step(s) an "
-                f"epoch{left}{'; token-balanced' if order.arrangement is not None else ''}"
+        # records the builds skipped (an Energon split.yaml's exclusions are the data's own)
+        reports = [reader.index.get("report") or {} for reader in self.source.readers]
+        skipped = sum(report.get("records_skipped", 0) - report.get("records_excluded", 0)
+                      for report in reports)
+        built = (f" (the build{'s' if len(reports) > 1 else ''} skipped {skipped} record(s): "
+                 "mimo-inspect report names them)" if skipped else "")
+        return (f"{self.source.tally.summary()}{built}{blend}; {self.steps_per_epoch} step(s) "
+                f"an epoch{left}{'; token-balanced' if order.arrangement is not None else ''}"
                 f"{'; packed' if order.packing is not None else ''}")
 
 
