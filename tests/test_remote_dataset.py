@@ -179,7 +179,8 @@ def test_verify_names_the_shard_object_with_a_changed_byte(capsys, s3_env, built
     assert any(f"sample {row['key']} member {row['key']}.json" in line for line in problems), err
 
 
-def test_a_build_into_a_missing_bucket_stops_before_reading_its_inputs(capsys, s3_env, corpus):
+def test_a_build_into_a_missing_bucket_stops_before_reading_its_inputs(capsys, s3_env, corpus,
+                                                                      monkeypatch):
     """The bucket is written to first: a missing one is a usage error naming the output
     (exit 2, one line), before a record is read."""
     url = "s3://mimo-no-such-bucket/ds"
@@ -187,8 +188,39 @@ def test_a_build_into_a_missing_bucket_stops_before_reading_its_inputs(capsys, s
                             "--no-progress")
     assert code == 2, err
     assert err.strip() == (f"mimo-shard build: error: cannot write to --output {url}: its "
-                           "bucket does not exist; create it first, or check the URL"), err
+                           f"bucket does not exist at the endpoint {s3_env.endpoint_url}; create "
+                           "it first, or check the URL and the endpoint"), err
     assert s3_env.requests["GET"] <= 1 and s3_env.requests["PUT"] == 1, dict(s3_env.requests)
+    # an endpoint that is no S3 store (a web server answering 404 to all): said so, not as a
+    # bucket to create
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def answer(self):
+            length = int(self.headers.get("Content-Length") or 0)
+            if length and self.headers.get("Expect"):
+                self.send_response(100)
+                self.end_headers()
+            self.rfile.read(length)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = answer
+
+        def log_message(self, *args):
+            pass
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    web = f"http://127.0.0.1:{server.server_port}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", web)
+    code, _, err = cli_main(capsys, "build", corpus / INPUTS[0], "--output", url,
+                            "--no-progress")
+    server.shutdown()
+    assert code == 2 and f"cannot write to --output {url}: the endpoint {web} answers 404 Not " \
+        "Found without S3's NoSuchBucket: is it an S3 store?" in err, err
 
 
 def test_a_build_that_dies_midway_leaves_no_dataset_or_the_old_one_and_the_next_one_cleans_up(
@@ -694,8 +726,8 @@ def test_a_missing_shard_object_is_a_dataset_error_naming_its_url(s3, built):
     # that is not there is told from a prefix with nothing in it
     for typo, said in ((f"s3://{BUCKET}/gnoe", "nothing there, no such dataset \\(check the "
                         "prefix\\)"),
-                       ("s3://mimo-no-such-bucket/gone", "its bucket does not exist: check the "
-                        "URL and the endpoint")):
+                       ("s3://mimo-no-such-bucket/gone", "its bucket does not exist at the "
+                        "endpoint http://127\\.0\\.0\\.1:\\d+: check the URL and the endpoint")):
         with pytest.raises(DatasetError, match=f"^{typo}: {said}") as missing:
             ShardReader(typo, storage_options=s3.storage_options)
         assert missing.value.missing          # a usage error (exit 2), as a local typo's

@@ -489,7 +489,8 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
     for tars in ("s3://mimo-no-such-bucket/laion/shard-{000000..000001}.tar",
                  "s3://mimo-no-such-bucket/laion/*.tar"):
         with pytest.raises(IndexInputError, match=r"^s3://mimo-no-such-bucket/laion/shard-000000"
-                           r"\.tar: its bucket does not exist: check the URL and the endpoint$"
+                           r"\.tar: its bucket does not exist at the endpoint http://127\.0\.0\.1:"
+                           r"\d+: check the URL and the endpoint$"
                            if "{" in tars else r"^s3://mimo-no-such-bucket/laion/\*\.tar: its "
                            "bucket does not exist"):
             index([tars], str(tmp_path / "none"), IndexOptions(workers=0, progress=False),
@@ -1850,6 +1851,24 @@ def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path,
     code, _, err = cli_main(capsys, "index", root / "built", "--output", tmp_path / "again")
     assert code == 2 and f"{root / 'built'} is a mimo dataset already (its index.json" in err \
         and not (tmp_path / "again").exists(), err
+    # a build stopped before its index (its tars and its claim, as a killed bucket build
+    # leaves them): no dataset to index, nor said to be tars to index
+    import shutil
+
+    from mimo_data.shards.index import DatasetError
+    from mimo_data.shards.reader import ShardReader
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    for tar in (root / "built").glob("*.tar"):
+        shutil.copy(tar, stopped)
+    (stopped / ".mimo-claim").write_text("{}")
+    code, _, err = cli_main(capsys, "index", stopped, "--output", tmp_path / "again")
+    assert code == 2 and f"{stopped} holds a mimo-shard build's claim (.mimo-claim): its tars " \
+        "are a build still running, or one stopped before its index.json" in err \
+        and not (tmp_path / "again").exists(), err
+    with pytest.raises(DatasetError, match="no index.json, so this is not a complete dataset "
+                       r"\(an interrupted build or indexing\?\)"):
+        ShardReader(str(stopped))
     # its index.json unread for a store that kept failing: that failure, not its tars indexed
     from mimo_data.shards import storage
 

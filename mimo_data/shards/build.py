@@ -367,9 +367,10 @@ def _build_remote(inputs, output: str, sources, options: BuildOptions,
         # before any record is read
         try:
             held = stack.enter_context(claim.held(output, "mimo-shard build", remote))
-        except FileNotFoundError:           # S3's NoSuchBucket
-            raise BuildError(f"cannot write to --output {output}: its bucket does not exist; "
-                             "create it first, or check the URL") from None
+        except FileNotFoundError as error:      # S3's NoSuchBucket, or no S3 store there
+            raise BuildError(f"cannot write to --output {output}: " + storage.bucket_missing(
+                output, remote.options, error) + "; create it first, or check the URL and "
+                "the endpoint") from None
         return _build_claimed_remote(inputs, output, sources, options, remote, held)
 
 

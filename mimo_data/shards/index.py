@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 
 from mimo_data.shards import cache, storage
-from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS,
-                                     REPORT_FILE, SAMPLES_FILE, SKIPPED_FILE, STAGING_DIR)
+from mimo_data.shards.format import (CLAIM_FILE, FORMAT_NAME, INDEX_FILE, INDEXED_VERSION,
+                                     READ_VERSIONS, REPORT_FILE, SAMPLES_FILE, SKIPPED_FILE,
+                                     STAGING_DIR)
 from mimo_data.shards.energon import META as ENERGON_META
 
 
@@ -104,7 +105,8 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
             raise DatasetError(f"{directory}: " + (
                 "nothing there, no such dataset (check the prefix)"
                 if storage.bucket_exists(directory, storage_options) else
-                "its bucket does not exist: check the URL and the endpoint"),
+                storage.bucket_missing(directory, storage_options) +
+                ": check the URL and the endpoint"),
                 missing=True) from None
         if names is None and directory.startswith(("http://", "https://")):
             raise DatasetError(f"{directory}: no {INDEX_FILE} at "
@@ -225,7 +227,7 @@ def _foreign_tars(names: list[str]) -> bool:
     """Whether ``names`` are tars (an Energon folder's too) without a mimo build's files, so
     not an interrupted build's."""
     return (any(name.endswith(".tar") or name == ".nv-meta" for name in names)
-            and not {SAMPLES_FILE, "report.json", STAGING_DIR} & set(names))
+            and not {SAMPLES_FILE, "report.json", STAGING_DIR, CLAIM_FILE} & set(names))
 
 
 def parse_index(directory: str, data: bytes) -> dict:

@@ -274,6 +274,21 @@ def endpoint_of(location: str, options: dict) -> str:
     return str(given) if given else "AWS's own: no endpoint_url given"
 
 
+def bucket_missing(location: str, options: dict | None,
+                   error: FileNotFoundError | None = None) -> str:
+    """Why a request to ``location`` found no bucket, naming the endpoint: S3's NoSuchBucket
+    (or, without ``error``, a bucket found missing) as a bucket that does not exist there, a
+    bare 404 (an endpoint that is no S3 store: a web server, another port) as that."""
+    cause = error.__cause__ or error.__context__ if error is not None else None
+    code = (getattr(cause, "response", None) or {}).get("Error", {}).get("Code")
+    endpoint = endpoint_of(location, options or {})
+    if error is None or code in (None, "NoSuchBucket"):
+        return f"its bucket does not exist at the endpoint {endpoint}"
+    return (f"the endpoint {endpoint} answers {code} {error.strerror or error} without S3's "
+            "NoSuchBucket: is it an S3 store? (endpoint_url, AWS_ENDPOINT_URL_S3 or the AWS "
+            "profile's endpoint say where requests go)")
+
+
 def _ranges_ignored(read: str) -> RangesIgnored:
     """The error of a ``read`` (what was asked, what came) from a server ignoring ranges."""
     return RangesIgnored(f"{read}: the server ignores byte ranges (HTTP Range), which a "

@@ -18,7 +18,7 @@ import braceexpand
 from mimo_data.modalities import MARKERS
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards import energon, storage
-from mimo_data.shards.format import FORMAT_NAME, INDEX_FILE
+from mimo_data.shards.format import CLAIM_FILE, FORMAT_NAME, INDEX_FILE
 from mimo_data.shards.layouts import MEDIA_EXTENSIONS, MemberMap, detect, field as member
 from mimo_data.shards.records import RecordError
 from mimo_data.shards.sources import SourceError
@@ -193,7 +193,7 @@ def _not_found(location: str, what: str, storage_options: dict | None) -> IndexI
     """``location`` is not there: ``what``, unless its bucket is missing (said as such)."""
     return IndexInputError(f"{location}: " + (
         what if storage.bucket_exists(location, storage_options) else
-        "its bucket does not exist: check the URL and the endpoint"))
+        storage.bucket_missing(location, storage_options) + ": check the URL and the endpoint"))
 
 
 def _resolve(sources: list[str], options: IndexOptions,
@@ -207,6 +207,12 @@ def _resolve(sources: list[str], options: IndexOptions,
             raise IndexInputError(f"{root} is a mimo dataset already (its {INDEX_FILE}, as "
                                   "mimo-shard build writes it): give it as it is (data.datasets,"
                                   " mimo-inspect, mimo-shard info); nothing to index")
+        if storage.exists(storage.join(root, CLAIM_FILE), storage_options):
+            raise IndexInputError(f"{root} holds a mimo-shard build's claim ({CLAIM_FILE}): its "
+                                  "tars are a build still running, or one stopped before its "
+                                  f"{INDEX_FILE}, some of the records at most: run that build "
+                                  "again (it takes the folder over once its writer has ended); "
+                                  "nothing to index")
         if energon.is_energon(root, storage_options):
             # an Energon folder's split.yaml decides its tars whatever --layout reads them (its
             # validation parts are no training data: --split val indexes them apart)
