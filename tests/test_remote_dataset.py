@@ -813,6 +813,27 @@ def test_a_cache_folder_that_cannot_be_made_is_named_with_its_setting(tmp_path, 
         cache_directory("s3://b/ds", str(root))
 
 
+def test_a_buckets_cache_folder_is_its_endpoints(tmp_path, monkeypatch):
+    """Two S3-compatible stores (MinIO servers) may each hold a bucket of the same name: their
+    tables and default index folders are apart; a bucket on AWS's own endpoint keeps the
+    folder named by its URL alone."""
+    import hashlib
+
+    from mimo_data.shards.cache import external_directory, index_folder
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    aws = external_directory("s3://b/ds", str(tmp_path))
+    assert aws == str(tmp_path / f"ds-{hashlib.sha256(b's3://b/ds').hexdigest()[:12]}")
+    first, second = (external_directory("s3://b/ds", str(tmp_path), {"endpoint_url": url})
+                     for url in ("http://minio-a:9000", "http://minio-b:9000"))
+    assert len({aws, first, second}) == 3
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://minio-a:9000")     # the environment's
+    assert external_directory("s3://b/ds", str(tmp_path)) == first
+    assert index_folder(["s3://b/ds"]) != index_folder(["s3://b/ds"],
+                                                       {"endpoint_url": "http://minio-b:9000"})
+
+
 # ---------------------------------------------------------------------------------- inspect
 
 def test_inspect_report_on_the_url_counts_what_the_local_copy_does(capsys, s3_env, built,

@@ -314,8 +314,9 @@ def compute(reader: ShardReader, preprocessor: Preprocessor, num_workers: int = 
 
 
 def table_path(reader: ShardReader, key: str, cache_dir: str | None = None) -> str:
-    return os.path.join(cache.cache_directory(reader.directory, cache_dir),
-                        f"tokens-{key[:24]}.arrow")
+    return os.path.join(cache.cache_directory(
+        reader.directory, cache_dir, reader.remote.options if reader.remote else None),
+        f"tokens-{key[:24]}.arrow")
 
 
 def token_table(reader: ShardReader, preprocessor: Preprocessor, *,

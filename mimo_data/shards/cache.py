@@ -72,8 +72,10 @@ class Labels:
             return None
 
 
-def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
-    """The directory holding ``dataset``'s derived tables (created if missing)."""
+def cache_directory(dataset: str, cache_dir: str | None = None,
+                    storage_options: dict | None = None) -> str:
+    """The directory holding ``dataset``'s derived tables (created if missing;
+    ``storage_options``: a remote dataset's, whose endpoint tells stores apart)."""
     root = environment_cache() or cache_dir
     if root is None and not storage.is_remote(dataset):
         own = os.path.join(storage.local_path(dataset), DATASET_CACHE)
@@ -83,7 +85,7 @@ def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
             pass
         if os.access(own, os.W_OK):
             return own
-    path = external_directory(dataset, root)
+    path = external_directory(dataset, root, storage_options)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:      # a file in the way, no permission
@@ -96,21 +98,27 @@ def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
     return path
 
 
-def external_directory(dataset: str, root: str | None) -> str:
-    """``dataset``'s directory in the cache ``root`` (None: the default cache)."""
+def external_directory(dataset: str, root: str | None,
+                       storage_options: dict | None = None) -> str:
+    """``dataset``'s directory in the cache ``root`` (None: the default cache), named by its
+    path or URL, and by the endpoint of a bucket not on AWS's own (two MinIO servers may each
+    hold a bucket of the same name)."""
     absolute = dataset.rstrip("/") if storage.is_remote(dataset) else \
         os.path.abspath(storage.local_path(dataset))
+    endpoint = storage.endpoint_of(dataset, storage_options or {})
+    if "://" in endpoint:               # a configured endpoint, not AWS's own (unchanged)
+        absolute = f"{endpoint} {absolute}"
     name = f"{storage.name_of(dataset)}-{hashlib.sha256(absolute.encode()).hexdigest()[:12]}"
     return os.path.join(root or DEFAULT_CACHE, name)
 
 
-def index_folder(sources: list[str]) -> str:
+def index_folder(sources: list[str], storage_options: dict | None = None) -> str:
     """Where ``mimo-shard index`` writes the index of ``sources`` without ``--output``:
     ``CACHE/indexes/<name>-<hash of the sources>`` (CACHE: ``MIMO_CACHE_DIR`` or
-    ``~/.cache/mimo``)."""
+    ``~/.cache/mimo``; a bucket's endpoint in the hash, as ``external_directory``)."""
     root = os.path.join(environment_cache() or DEFAULT_CACHE, "indexes")
     given = sources[0] if len(sources) == 1 else "\n".join(sources)
-    return external_directory(given, root)
+    return external_directory(given, root, storage_options)
 
 
 def columns_digest(table: pa.Table) -> str:
@@ -216,7 +224,8 @@ def obtain(dataset: str, name: str, key: str, labels: Labels, derive: Callable[[
         own = os.path.join(storage.local_path(dataset), DATASET_CACHE, name)
         if (table := read_table(own, key)) is not None:
             return table, own
-    path = os.path.join(cache_directory(dataset, cache_dir), name)
+    path = os.path.join(cache_directory(dataset, cache_dir,
+                                        remote.options if remote is not None else None), name)
     table = read_table(path, key) if path != own else None
     if table is None and remote is not None:
         try:

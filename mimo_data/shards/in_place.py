@@ -443,7 +443,7 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
             raise IndexInputError(str(error)) from None
     given = output is not None
     if output is None:
-        output = cache.index_folder(sources)
+        output = cache.index_folder(sources, storage_options)
         say(f"no --output: the index goes to {output}")
     output = os.path.abspath(storage.local_path(output))
     named = _named(output, given)

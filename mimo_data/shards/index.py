@@ -114,7 +114,8 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
                                "server lists no folder, so nothing more can be said)",
                                missing=True) from None
         if names and _foreign_tars(names):
-            raise DatasetError(f"{directory}: {unindexed_tars_advice(directory)}") from None
+            raise DatasetError(f"{directory}: "
+                               f"{unindexed_tars_advice(directory, storage_options)}") from None
         if names and REPORT_FILE in names and _kept_none(directory, storage_options):
             raise DatasetError(f"{directory}: no {INDEX_FILE}: the build or indexing that "
                                f"wrote it kept no sample; {storage.join(directory, REPORT_FILE)}"
@@ -201,10 +202,10 @@ def unindexed_tars(directory: str, storage_options: dict | None = None) -> bool:
     return names is not None and _foreign_tars(names)
 
 
-def unindexed_tars_advice(directory: str) -> str:
+def unindexed_tars_advice(directory: str, storage_options: dict | None = None) -> str:
     """What to do with ``unindexed_tars``: the index ``mimo-shard index`` made of them
     without ``--output`` where there is one, else how to make it."""
-    made = cache.index_folder([directory])
+    made = cache.index_folder([directory], storage_options)
     if os.path.isfile(os.path.join(made, INDEX_FILE)):
         return (f"tars with no {INDEX_FILE}: `mimo-shard index {directory}` (no --output) "
                 f"wrote their index to {made}: give that folder instead")
