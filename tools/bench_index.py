@@ -139,7 +139,7 @@ def main() -> None:
             for workers in (1, 2):
                 line = index_throughput(tars, os.path.join(work, f"index-{check}-{workers}"),
                                         workers, check)
-                found = re.search(r"(\d+) samples/s", line)          # per worker
+                found = re.search(r"(\d+) records/s", line)          # per worker
                 assert found, line
                 rate = float(found[1])
                 print(f"--check {check} --workers {workers}: {line.split(': ', 1)[1]}; per "

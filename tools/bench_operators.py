@@ -193,8 +193,11 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
         counts: dict[str, collections.Counter] = {p: collections.Counter() for p in PHASES}
         names: dict[str, collections.Counter] = {p: collections.Counter() for p in PHASES}
         nodes: collections.Counter = collections.Counter()     # backward: by autograd node
-        for event in profiler.events():
-            if not event.name.startswith("aten::") or \
+        events = profiler.events()
+        # the profiled step's, not the lead-in's
+        begun = min((e.time_range.start for e in profile.step_marks(events)), default=-1e300)
+        for event in events:
+            if not event.name.startswith("aten::") or event.time_range.start < begun or \
                     event.device_type != torch.autograd.DeviceType.CPU:
                 continue
             parent, labels = event.cpu_parent, []

@@ -154,14 +154,19 @@ def _outermost_operators(events) -> int:
 KIND_TOP = 6                    # top_by_kind: the kernels (operators) listed of each kind
 
 
+def step_marks(events) -> list:
+    """The summarized steps' marks (``Profile``'s; torch reads "#N" as "*"): what ran before
+    the first of them is the lead-in's."""
+    return [e for e in events if e.name.startswith("ProfilerStep")
+            and e.device_type == torch.autograd.DeviceType.CPU]
+
+
 def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dict:
     """The figures of a finished profiler that covered ``steps`` steps (times in ms per
     step)."""
     events = profiler.events()
-    # the summarized steps' marks (``Profile``'s; torch reads "#N" as "*"): what ran before
-    # the first of them is the lead-in's, left out, but for its kernels' time in the window
-    stepped = [e for e in events if e.name.startswith("ProfilerStep")
-               and e.device_type == torch.autograd.DeviceType.CPU]
+    # the lead-in left out, but for its kernels' time in the window
+    stepped = step_marks(events)
     begun = min((e.time_range.start for e in stepped), default=-math.inf)
     events = [e for e in events if e.time_range.start >= begun or (
         e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > begun)]
