@@ -176,6 +176,10 @@ def start_table(datasets: Iterable[tuple[int, str]], config: str) -> dict[int, d
     return starts
 
 
+# the size below which the start-ups and rates measured are noise (hundredths of a second)
+NOISE_FLOOR = 100_000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="assets/corpus")
@@ -189,6 +193,10 @@ def main() -> None:
         kind, dataset, config, workers = args.child
         print(json.dumps(child(kind, dataset, config, int(workers))))
         return
+    if max(args.sizes) < NOISE_FLOOR:
+        print(f"note: the largest size, {max(args.sizes)}, is under {NOISE_FLOOR}: its seconds "
+              "are within the timer's and the load's noise, so the targets are read at the "
+              "default sizes only")
     work = tempfile.mkdtemp(prefix="bench_scale_")
     try:
         base = replicated_dataset(args.corpus, args.base, work, shards=max(1, args.base // 2500),
