@@ -172,6 +172,11 @@ def test_a_loader_says_what_it_drops(sources, table, tmp_path, loader_corpus, co
     loader = build_loader(str(tmp_path / "ds"), configs["image"], layout, 0, 2, 1, 1, 11)
     assert loader.summary().startswith("1 sample, 1 kept (the build skipped 2 record(s): "
                                        "mimo-inspect report names them); 1 step(s) an epoch")
+    # records an Energon split.yaml excludes (counted among the skipped) are the data's own
+    # choice, not the build's skips: not said
+    (reader,) = loader.source.readers
+    reader.index["report"]["records_excluded"] = reader.index["report"]["records_skipped"]
+    assert loader.summary().startswith("1 sample, 1 kept; 1 step(s) an epoch"), loader.summary()
     loader.close()
     packed = build_loader(sources["image"], None, layout, 0, 2, GLOBAL_BATCH, 2, 11,
                           packing=True)
@@ -452,6 +457,10 @@ def test_a_drop_only_decoding_can_see_is_an_error_not_a_skip(tmp_path, assets, c
     assert f"0/{row['key']}" in str(error.value) and "mimo-shard verify" in str(error.value)
     # named where the build read it, as every other message names a record
     assert f"({tmp_path / 'in.jsonl'}:2, id 'r1') is dropped at load time" in str(error.value)
+    # a tar's sample indexed in place: its tar and key
+    from mimo_data.shards.format import record_origin
+    assert record_origin({"source": {"file": "a.tar", "key": "000001"}, "id": 7}) == \
+        "a.tar key 000001, id 7"
 
 
 def test_spawned_workers_and_parallel_drop_decisions_agree(sources, loader_corpus, configs,
@@ -558,6 +567,12 @@ def test_uneven_shards_and_blends_give_equal_step_counts(uneven, configs, datase
     assert loader.summary() == f"{total} samples, {total} kept{drawn}; " \
         f"{total // GLOBAL_BATCH} step(s) an epoch; {total % GLOBAL_BATCH} sample(s) an " \
         "epoch left out by the remainder (drop)"
+    # records the builds skipped, summed over the datasets
+    for reader in source.readers:
+        reader.index["report"] = {**reader.index.get("report", {}), "records_skipped": 1}
+    built = "the builds skipped 2" if len(datasets) > 1 else "the build skipped 1"
+    assert loader.summary().startswith(f"{total} samples, {total} kept ({built} record(s): "
+                                       "mimo-inspect report names them)"), loader.summary()
     loader.close()
 
 

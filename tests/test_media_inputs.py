@@ -138,6 +138,12 @@ def test_a_pixel_range_upside_down_is_refused_with_its_values():
     with pytest.raises(ConfigError, match=re.escape("modalities.image.min_pixels (401408) is "
                                                     "above max_pixels (200704)")):
         ImageConfig(min_pixels=401408, max_pixels=200704).validate()
+    # crop and pad shape the fixed policy's square: refused on the dynamic policy
+    for key in ("crop", "pad"):
+        with pytest.raises(ConfigError, match=re.escape(f"modalities.image.{key} applies to the "
+                                                        "fixed policy only")):
+            ImageConfig(**{key: True}).validate()
+        ImageConfig(policy="fixed", **{key: True}).validate()
 
 
 @pytest.mark.parametrize("size", [224, 112])

@@ -503,6 +503,10 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
                        r"chat_template with \{% generation %\} blocks.*qwen3_5.jinja") as dropped:
         preprocessor(record)
     assert dropped.value.reason == "template_mismatch"
+    # a turn rendered shorter than the generation prompt before it: what the prompt writes past
+    from mimo_data.preprocess.chat_render import _rewritten
+    assert "rendered with the generation prompt, end '<think>\\n', followed by it ''" in \
+        _rewritten("<u>hi</u><a>\n<think>\n", "<u>hi</u><a>\n", "<u>hi</u><a>\n<u>x</u>")
     # a template that writes no answer at all: said so, not to add generation blocks
     silent = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|im_start|>"
               "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
@@ -547,6 +551,20 @@ def test_template_that_writes_answers_without_their_content_is_refused_at_start(
                            r"stand-in answer\" trains '<\|im_end\|>'\): every answer would "
                            r"train its end of turn alone; does it read message\['text'\]"):
             Preprocessor(config(chat_template=turn.replace("ANSWER", answer)), with_media=False)
+    # an answer written with text of the template's after it (here a quote): said as other
+    # text trained, the piece shown
+    with pytest.raises(ConfigError, match=re.escape(
+            "trains '\"mimo\\'s stand-in answer\"<|im_end|>'): every answer would train "
+            "other text")):
+        Preprocessor(config(chat_template=turn.replace("ANSWER", "\"{{ m['content'] }}\"")),
+                     with_media=False)
+    # a template that refuses one of the two stand-in conversations (a system turn; or none):
+    # the other one still tells
+    for refuses in ("messages[0]['role'] == 'system'", "messages[0]['role'] != 'system'"):
+        with pytest.raises(ConfigError, match=r"every answer would train its end of turn alone"):
+            Preprocessor(config(chat_template=f"{{% if {refuses} %}}{{{{ raise_exception("
+                                "'no') }}{% endif %}" + turn.replace("ANSWER", "")),
+                         with_media=False)
     # typed parts for a user's content, a string for an answer (what llava-hf's templates
     # take, edited): the answer as given, never the parts' Python text
     mixed = turn.replace("{{ m['content'] }}", "{% for p in m['content'] %}{{ p['text'] }}"

@@ -869,6 +869,7 @@ def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, caps
     """webdataset reads ``.tar.gz``, but a compressed tar's members have no byte offsets: the
     file is named and refused (exit 2, nothing written), not indexed as a tar cut short."""
     import gzip
+    import zipfile
 
     (tmp_path / "gz").mkdir()
     packed = tmp_path / "gz" / "pairs-000000.tar.gz"
@@ -890,6 +891,22 @@ def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, caps
     code, _, err = cli_main(capsys, "index", tmp_path / "gz", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 2 and "no *.tar files under it (1 compressed" in err, err
+    # each compression's tar by its name's suffix, whatever its case, its tool's command
+    # naming it; a zip given as a tar: unzipped
+    from mimo_data.shards.tar_walk import not_in_place
+    for name, command in (("a.TGZ", "gzip -dk a.TGZ"), ("a.tar.zst", "zstd -dk a.tar.zst"),
+                          ("a.tar.bz2", "bzip2 -dk a.tar.bz2"), ("a.tar.xz", "xz -dk a.tar.xz")):
+        assert not_in_place(name).startswith(f"decompress it into a .tar (`{command}`)"), name
+    from mimo_data.files import compression_named, compression_suffix
+    assert [compression_named(name) for name in ("a.TGZ", "a.tar.GZ", "a.Zip", "a.tar")] == \
+        ["gzip", "gzip", "zip", None]
+    assert compression_suffix("a.TAR.XZ") == ".xz" and compression_suffix("a.tar") == ""
+    zipped = tmp_path / "gz" / "z.tar"
+    with zipfile.ZipFile(zipped, "w") as archive:
+        archive.write(pairs.src / "pairs-000000.tar", "pairs-000000.tar")
+    code, _, err = cli_main(capsys, "index", zipped, "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and f"{zipped}: not a tar but a zip file: unzip it" in err, err
     # img2dataset's folder: a Parquet of each tar's metadata beside it, a glob taking both
     import pyarrow as pa
     import pyarrow.parquet as pq

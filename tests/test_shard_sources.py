@@ -522,7 +522,9 @@ def test_a_record_of_no_form_mimo_reads_says_what_it_is(tmp_path, corpus):
                {**line, "audio_filepath": str(corpus / line["audio_filepath"])},
                {"instruction": "Add.", "input": "1+1", "output": "2"}, None,
                # Common Voice's form: a clip and its transcript
-               {"audio": str(corpus / line["audio_filepath"]), "sentence": line["text"]}]
+               {"audio": str(corpus / line["audio_filepath"]), "sentence": line["text"]},
+               # LibriSpeech's (and most speech datasets'): its transcript under 'text'
+               {"audio": str(corpus / line["audio_filepath"]), "text": line["text"]}]
     (tmp_path / "mixed.json").write_text(json.dumps(records))
     build_dataset([tmp_path / "mixed.json"], tmp_path / "out")
     details = [entry["detail"] for entry in read_json(tmp_path / "out" / "report.json")[
@@ -542,6 +544,8 @@ def test_a_record_of_no_form_mimo_reads_says_what_it_is(tmp_path, corpus):
         "caption pair: the model hears the audio, writes the text), e.g. jq -c '. + {caption: "
         ".sentence} | del(.sentence)' FILE > pairs.jsonl, or write a NeMo manifest "
         "(audio_filepath, duration, text)")
+    assert details[3].startswith("no conversation: a speech record, its audio and its "
+                                 "transcript under 'text' ("), details[3]
     (null,) = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"][
         "malformed_json"]["first"]
     assert null["detail"] == "record is a JSON null, expected an object", null

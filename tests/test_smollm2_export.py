@@ -567,7 +567,9 @@ def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys, tmp
                          f"argument --seed: {2**64} is above 4294967295"),
                         *((["--prompt", "Hi", "--temperature", value], f"--temperature is "
                            f"{value}: it must be a finite number > 0") for value in ("0.0", "nan",
-                                                                                   "inf"))):
+                                                                                   "inf")),
+                        *((["--prompt", "Hi", "--frames-fps", value], f"--frames-fps is {value}: "
+                           "frames are taken 0.01 to 1000 a second") for value in ("0", "nan"))):
         with pytest.raises(SystemExit) as exit_:
             main(["--model", str(smollm2.export), *flags])
         assert exit_.value.code == 2 and said in capsys.readouterr().err, flags

@@ -548,3 +548,18 @@ def test_frames_are_in_the_order_of_their_numbers(tmp_path):
     with av.open(io.BytesIO(frames_clip(str(tmp_path), 3.0))) as clip:
         stored = [bytes(p) for p in clip.demux(clip.streams.video[0]) if p.size]
     assert stored == [frames[number] for number in (1, 3, 5, 7, 9, 11)]
+    # no evidence of a gap: frames named by their times in milliseconds (steps 33 and 34,
+    # neither a multiple of the other), names differing otherwise than in their last number,
+    # a number given twice (1.jpg, 01.jpg), a folder of one frame or two
+    from mimo_data.modalities.video.frames import _numbering_gap
+    for names in (["0.jpg", "33.jpg", "67.jpg", "100.jpg", "133.jpg"],
+                  ["s1_1.jpg", "s1_2.jpg", "s2_4.jpg"], ["1.jpg", "01.jpg", "2.jpg"],
+                  ["7.jpg"], ["1.jpg", "3.jpg"]):
+        assert _numbering_gap(names) is None, names
+    assert _numbering_gap(["f0010.jpg", "f0020.jpg", "f0040.jpg"]) == ("f0020.jpg", "f0040.jpg",
+                                                                        10)
+    (tmp_path / "1.jpg").rename(tmp_path / "only.jpg")
+    for each in tmp_path.glob("[0-9]*.jpg"):
+        each.unlink()
+    with av.open(io.BytesIO(frames_clip(str(tmp_path), 3.0))) as clip:      # one frame
+        assert [bytes(p) for p in clip.demux(clip.streams.video[0]) if p.size] == [frames[1]]

@@ -165,6 +165,23 @@ def test_a_cut_whose_edit_list_hides_frames_is_the_frames_it_shows(clips):
     indices = [0, 7, 25, source.frames - 11]
     assert all(np.array_equal(frame, shown[i])
                for frame, i in zip(decode_frames(data, indices, 0), indices))
+    # an NTSC rate's clip (30000/1001: its duration times its rate is 29.999... in floats)
+    # shows every frame it holds, none lost to the rounding
+    from fractions import Fraction
+    ntsc = io.BytesIO()
+    with av.open(ntsc, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=Fraction(30000, 1001))
+        stream.width, stream.height, stream.pix_fmt = 32, 24, "yuv420p"
+        for number in range(30):
+            frame = av.VideoFrame.from_ndarray(np.full((24, 32, 3), number * 8, np.uint8),
+                                               format="rgb24")
+            frame.pts, frame.time_base = number, Fraction(1001, 30000)
+            for packet in stream.encode(frame):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    for check in ("header", "decode"):
+        assert probe_video(ntsc.getvalue(), check)["frames"] == 30, check
 
 
 # --------------------------------------------------------------------------------- sampling

@@ -469,6 +469,14 @@ def test_llava_configs_transformers_misreads_or_cannot_read_are_refused(tmp_path
         (tmp_path / name / "config.json").write_text(json.dumps(config))
         with pytest.raises(TrainConfigError, match=re.escape(said)):
             read_vlm(str(tmp_path / name))
+    # a feature layer at either end of the tower's hidden states (the embeddings, its last
+    # layer: -4 and 3 of the tiny 3-layer tower) is taken
+    assert given["vision_config"]["num_hidden_layers"] == 3
+    for name, layer in (("first", -4), ("last", 3), ("both", [-4, 3])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(
+            {**given, "vision_feature_layer": layer}))
+        assert read_vlm(str(tmp_path / name)).family == "llava"
 
 
 def test_a_modality_token_may_be_its_own_marker_only():
@@ -539,6 +547,10 @@ def test_a_processor_that_pads_to_a_square_is_followed(tmp_path, corpus):
                        r"colour first \(do_pad: true.*set modalities.image.pad: true"):
         LlavaVision(dataclasses.replace(image, pad=False), 0, 0, 0,
                     pretrained=read_vlm(str(tmp_path)))
+    # the other way: a config that pads where the checkpoint's processor does not
+    with pytest.raises(EncoderBuildError, match=r"pads no image \(no do_pad\); the "
+                       r"preprocessing config gives pad True: set modalities.image.pad: false"):
+        LlavaVision(image, 0, 0, 0, pretrained=read_vlm(str(checkpoint)))
 
 
 def test_preprocessing_for_prints_the_derived_config(capsys, monkeypatch):

@@ -504,7 +504,8 @@ def _rewritten(before: str, after: str, text: str) -> str:
     it; ``text``, the whole conversation's."""
     prompted = not after.startswith(before)
     shorter, longer = (before, after) if prompted else (after, text)
-    at = next((k for k, (a, b) in enumerate(zip(shorter, longer)) if a != b), len(shorter))
+    at = next((k for k, (a, b) in enumerate(zip(shorter, longer)) if a != b),
+              min(len(shorter), len(longer)))
     said = (f"the turns before it, rendered with the generation prompt, end "
             f"{shorter[at:at + 40]!r}, followed by it {longer[at:at + 40]!r}" if prompted else
             f"where the conversation ends with it the template writes {shorter[at:at + 40]!r}, "
