@@ -76,9 +76,16 @@ def compression_named(name: str) -> str | None:
                 None)
 
 
-def decompress_command(kind: str, path: str = "FILE") -> str:
-    """The command that decompresses ``path`` in ``kind`` beside itself, the file kept."""
-    return f"unzip {path}" if kind == "zip" else f"{kind} -dk {path}"
+def decompress_command(kind: str, path: str = "FILE", ext: str | None = None) -> str:
+    """The command that decompresses ``path`` in ``kind``: beside itself, the file kept, where
+    its name ends with the suffix of ``kind`` (the tool writes the name less it); else into
+    ``STEM.plain.EXT`` (the tool refuses a name without its suffix; another's suffix goes;
+    ``ext``: the decompressed file's, else the name's own)."""
+    if compression_named(path) == kind:
+        return f"unzip {path}" if kind == "zip" else f"{kind} -dk {path}"
+    stem, own = os.path.splitext(path[:len(path) - len(compression_suffix(path))])
+    return (f"unzip -p {path}" if kind == "zip" else f"{kind} -dc {path}") + \
+        f" > {stem}.plain{own if ext is None else ext}"
 
 
 def file_sha256(path: str) -> str:

@@ -104,7 +104,17 @@ def test_shipped_and_right_templates_pass(capsys, tmp_path, chats, template):
     assert "PASS  loss_mask_coverage" in out
 
 
-def test_generation_block_around_only_the_end_of_turn_fails(capsys, tmp_path, chats):
+def test_generation_block_around_only_the_end_of_turn_fails(capsys, tmp_path, chats,
+                                                           monkeypatch):
+    """Refused at start-up (the template's stand-in answers train their ends alone); where
+    that check cannot tell (a template that branches on contents), the report's check on
+    every sample does: here with the start-up check left out."""
+    config = _config(tmp_path / "config.yaml", _template(EOT_ONLY))
+    code = main(["report", str(chats), "--config", str(config), "--no-progress"])
+    assert code == 2 and "its {% generation %} blocks hold the answer's end but not its " \
+        "content" in capsys.readouterr().err
+    from mimo_data.preprocess.chat_render import ChatRenderer
+    monkeypatch.setattr(ChatRenderer, "_check_answers_written", lambda self: None)
     code, out, err, report, check = _report(capsys, tmp_path, chats, _template(EOT_ONLY),
                                             "--html", tmp_path / "report.html")
     assert code == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import re
 import shutil
 
@@ -498,9 +499,10 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
     record = next(r for r in records if sum(m["role"] == "assistant"
                                             for m in r["messages"]) >= 2)
     with pytest.raises(SampleDropped, match=r"the turns before it, rendered with the generation "
-                       r"prompt, end ' \(final\)<\|im_end\|>\\n<\|im_start\|>assistant', "
-                       r"followed by it '<\|im_end\|>\\n<\|im_start\|>assistant\\n.*give a "
-                       r"chat_template with \{% generation %\} blocks.*qwen3_5.jinja") as dropped:
+                       r"prompt, end '[^'\n<]*\? \(final\)<\|im_end\|>\\n<\|im_start\|>"
+                       r"assistant', followed by it '[^'\n<]*\?<\|im_end\|>\\n<\|im_start\|>"
+                       r"assistant\\n.*give a chat_template with \{% generation %\} blocks"
+                       r".*qwen3_5.jinja") as dropped:
         preprocessor(record)
     assert dropped.value.reason == "template_mismatch"
     # a turn rendered shorter than the generation prompt before it: what the prompt writes past
@@ -537,7 +539,7 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
 
 
 def test_template_that_writes_answers_without_their_content_is_refused_at_start(
-        reference_tokenizer):
+        reference_tokenizer, tmp_path):
     """A template that writes an answer's header and end but not its content (reading
     ``message['text']``, or the answer's typed parts where it is a string) would train every
     answer's end token alone: refused at once, naming the template, not left to a report."""
@@ -546,7 +548,7 @@ def test_template_that_writes_answers_without_their_content_is_refused_at_start(
             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
             "{% endif %}")
     for answer in ("", "{{ m['text'] }}", "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"):
-        with pytest.raises(ConfigError, match=r"the configured chat_template does not write an "
+        with pytest.raises(ConfigError, match=r"the configured chat_template does not train an "
                            r"answer's content as the answer \(a stand-in answer \"mimo's "
                            r"stand-in answer\" trains '<\|im_end\|>'\): every answer would "
                            r"train its end of turn alone; does it read message\['text'\]"):
@@ -565,6 +567,30 @@ def test_template_that_writes_answers_without_their_content_is_refused_at_start(
             Preprocessor(config(chat_template=f"{{% if {refuses} %}}{{{{ raise_exception("
                                 "'no') }}{% endif %}" + turn.replace("ANSWER", "")),
                          with_media=False)
+    # generation blocks around the end of turn alone: said so
+    with pytest.raises(ConfigError, match=r"its \{% generation %\} blocks hold the answer's end "
+                       "but not its content: put the content inside them"):
+        Preprocessor(config(chat_template=turn.replace(
+            "ANSWER", "{{ m['content'] }}").replace(
+            "<|im_end|>\n{% endfor %}", "{% if m['role'] == 'assistant' %}{% generation %}"
+            "<|im_end|>{% endgeneration %}{% else %}<|im_end|>{% endif %}\n{% endfor %}")),
+            with_media=False)
+    # end-of-turn tokens after an answer are no other text: Phi-3's end, then the EOS ending
+    # the text (whatever append_eos), and ChatML's <|im_end|> where the tokenizer's EOS is a
+    # base checkpoint's <|endoftext|>, appended after it (append_eos: true)
+    ending = turn.replace("ANSWER", "{{ m['content'] }}").replace(
+        "{% endfor %}", "{% endfor %}{% if not add_generation_prompt %}{{ eos_token }}{% endif %}")
+    for append in ("auto", True, False):
+        Preprocessor(config(chat_template=ending, append_eos=append), with_media=False)
+    base = tmp_path / "base"
+    reference_tokenizer.save_pretrained(base)
+    settings = json.loads((base / "tokenizer_config.json").read_text())
+    (base / "tokenizer_config.json").write_text(json.dumps(
+        {**settings, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}))
+    chatml = turn.replace("ANSWER", "{{ m['content'] }}")
+    for append in ("auto", True):
+        Preprocessor(config(tokenizer=str(base), chat_template=chatml, append_eos=append),
+                     with_media=False)
     # typed parts for a user's content, a string for an answer (what llava-hf's templates
     # take, edited): the answer as given, never the parts' Python text
     mixed = turn.replace("{{ m['content'] }}", "{% for p in m['content'] %}{{ p['text'] }}"

@@ -879,7 +879,7 @@ def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, caps
         code, _, err = cli_main(capsys, "index", *given, "--output", tmp_path / "idx",
                                 "--workers", "0", "--no-progress")
         assert code == 2 and f"{packed}: not a tar but gzip-compressed: decompress it into a " \
-            ".tar (`gzip -dk FILE`), then index that" in err, err
+            f".tar (`gzip -dk {packed}`), then index that" in err, err
         assert not (tmp_path / "idx" / "index.json").exists()
     # a folder of both: refused, never its plain tars alone without a word
     code, _, err = cli_main(capsys, "index", tmp_path / "gz", "--output", tmp_path / "idx",
@@ -907,6 +907,13 @@ def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, caps
     code, _, err = cli_main(capsys, "index", zipped, "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 2 and f"{zipped}: not a tar but a zip file: unzip it" in err, err
+    # gzip bytes named .tar (gzip -dk refuses a name without .gz): written to another name
+    disguised = tmp_path / "gz" / "s.tar"
+    disguised.write_bytes(packed.read_bytes())
+    code, _, err = cli_main(capsys, "index", disguised, "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and f"(`gzip -dc {disguised} > {tmp_path / 'gz' / 's'}.plain.tar`)" \
+        in err, err
     # img2dataset's folder: a Parquet of each tar's metadata beside it, a glob taking both
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -558,6 +558,13 @@ def test_frames_are_in_the_order_of_their_numbers(tmp_path):
         assert _numbering_gap(names) is None, names
     assert _numbering_gap(["f0010.jpg", "f0020.jpg", "f0040.jpg"]) == ("f0020.jpg", "f0040.jpg",
                                                                         10)
+    # frames kept unevenly from a longer clip, numbered by its frames (16 of 20, linspace's
+    # picks: steps of 1 and 2 mixed): taken so, no gap; one frame lost of 40 taken evenly is
+    import numpy as np
+    assert _numbering_gap([f"frame_{i:04d}.jpg" for i in np.linspace(0, 19, 16).astype(int)]) \
+        is None
+    assert _numbering_gap([f"{i:05d}.jpg" for i in range(1, 41) if i != 17]) == (
+        "00016.jpg", "00018.jpg", 1)
     (tmp_path / "1.jpg").rename(tmp_path / "only.jpg")
     for each in tmp_path.glob("[0-9]*.jpg"):
         each.unlink()

@@ -529,6 +529,9 @@ def test_a_processor_that_pads_to_a_square_is_followed(tmp_path, corpus):
         {**processor, "image_processor_type": "LlavaImageProcessor", "do_pad": True}))
     derived = preprocessing_for(str(tmp_path))["modalities"]["image"]
     assert derived["pad"] is True and derived["crop"] is True
+    # CLIP's processor reads no do_pad (transformers' pads nothing there): neither does mimo
+    from mimo_train.families.llava import pads
+    assert not pads({**processor, "image_processor_type": "CLIPImageProcessor", "do_pad": True})
     image = PreprocessConfig.from_dict(preprocessing_for(str(tmp_path))).modalities["image"]
     data = [(corpus / "images" / name).read_bytes() for name in NAMES]
     pictures = [ImageOps.exif_transpose(Image.open(corpus / "images" / n)).convert("RGB")

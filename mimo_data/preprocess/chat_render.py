@@ -159,7 +159,8 @@ class ChatRenderer:
             self.part_joiner = self._part_joiner()
             modality_tokens = {m.token for m in config.modalities.values()}
             endings = answer_endings(self._render)
-            ends = end_tokens(tokenizer, modality_tokens | set(MARKERS.values()))
+            self._end_tokens = ends = end_tokens(tokenizer,
+                                                 modality_tokens | set(MARKERS.values()))
             self.eos_appending = eos_appending(config.append_eos, self.eot, endings, ends)
             if config.append_eos is not True:      # true: the EOS after every answer
                 # answers are trained through the token the template ends them with
@@ -242,10 +243,11 @@ class ChatRenderer:
                          if probe in (self._probe(probe, before=before, role=role) or ""))
 
     def _check_answers_written(self) -> None:
-        """ConfigError where the template writes an answer's turn without the answer (it reads
-        ``message['text']``, or typed parts of answers given as strings): every answer would
-        train its end of turn alone. Read from stand-in conversations (one answer; a system
-        turn and two answers); one the template fails on is no evidence."""
+        """ConfigError where the template trains an answer's turn without the answer (it reads
+        ``message['text']``, or typed parts of answers given as strings; its generation blocks
+        hold the end of turn alone): every answer would train its end of turn alone, or other
+        text after it than end-of-turn tokens. Read from stand-in conversations (one answer; a
+        system turn and two answers); one the template fails on is no evidence."""
         answer = {"role": "assistant", "content": _ANSWER_PROBE}
         for probe in ([{"role": "user", "content": "Hi"}, answer],
                       [{"role": "system", "content": "Be brief."},
@@ -257,22 +259,28 @@ class ChatRenderer:
                 continue
             trained = [text[span.start:span.end] for span in spans]
             written = [piece for piece in trained if _ANSWER_PROBE in piece]
-            wrong = next((piece for piece in written if piece.rpartition(_ANSWER_PROBE)[2]
-                          .strip() not in ("", self.eot)), None)
+            # after an answer: its end-of-turn tokens and whitespace alone (Phi-3's <|end|>
+            # then the EOS ending the text; ChatML's <|im_end|> where the EOS is appended)
+            wrong = next((piece for piece in written
+                          if _without(piece.rpartition(_ANSWER_PROBE)[2], self._end_tokens)
+                          .strip()), None)
             if wrong is None and len(written) == sum(m["role"] == "assistant" for m in probe):
                 continue
             shown = wrong if wrong is not None else next(
                 (piece for piece in trained if _ANSWER_PROBE not in piece), "")
+            why = ("its {% generation %} blocks hold the answer's end but not its content: "
+                   "put the content inside them" if wrong is None and _ANSWER_PROBE in text
+                   else "does it read message['text'] or typed parts where a message's content "
+                   "is message['content'], a string? Mend it")
             raise ConfigError(
                 ("the configured chat_template" if self.config.chat_template else
                  f"tokenizer {self.config.tokenizer!r}'s chat template") +
-                " does not write an answer's content as the answer (a stand-in answer "
+                " does not train an answer's content as the answer (a stand-in answer "
                 f"{_ANSWER_PROBE!r} trains {shown!r}): every answer would train " +
                 ("other text" if wrong is not None else "its end of turn alone") +
-                "; does it read message['text'] or typed parts where a message's content "
-                "is message['content'], a string? Mend it" + (
-                    ", or leave chat_template out to use the tokenizer's own"
-                    if self.config.chat_template else ", or give one as chat_template"))
+                f"; {why}" + (", or leave chat_template out to use the tokenizer's own"
+                              if self.config.chat_template else ", or give one as "
+                              "chat_template"))
 
     def _generation_prompt(self) -> str:
         """What the template writes to prompt an answer (``add_generation_prompt``), read from
@@ -498,6 +506,13 @@ class ChatRenderer:
         return "".join(parts), spans
 
 
+def _without(text: str, tokens: Sequence[str]) -> str:
+    """``text`` with every one of ``tokens`` taken out."""
+    for token in tokens:
+        text = text.replace(token, "")
+    return text
+
+
 def _rewritten(before: str, after: str, text: str) -> str:
     """How a template writes an answer's turn otherwise than its prefixes say, and what to do:
     ``before``, the render up to it with the generation prompt; ``after``, up to it and with
@@ -506,11 +521,16 @@ def _rewritten(before: str, after: str, text: str) -> str:
     shorter, longer = (before, after) if prompted else (after, text)
     at = next((k for k, (a, b) in enumerate(zip(shorter, longer)) if a != b),
               min(len(shorter), len(longer)))
-    said = (f"the turns before it, rendered with the generation prompt, end "
-            f"{shorter[at:at + 40]!r}, followed by it {longer[at:at + 40]!r}" if prompted else
-            f"where the conversation ends with it the template writes {shorter[at:at + 40]!r}, "
-            f"where later turns follow {longer[at:at + 40]!r} (an empty think block on the "
-            "last answer alone, as Qwen3's template writes?)")
+    # shown from the start of the token or line they part in (within 40 characters)
+    start = max(shorter.rfind("<", 0, at + 1), shorter.rfind("\n", 0, at) + 1, at - 40, 0) \
+        if "<" in shorter[max(0, at - 40):at + 1] or "\n" in shorter[max(0, at - 40):at] else at
+    first, second = shorter[start:at + 40], longer[start:at + 40]
+    thinking = " (an empty think block on the last answer alone, as Qwen3's template " \
+        "writes?)" if "<think>" in first + second else ""
+    said = (f"the turns before it, rendered with the generation prompt, end {first!r}, "
+            f"followed by it {second!r}" if prompted else
+            f"where the conversation ends with it the template writes {first!r}, where later "
+            f"turns follow {second!r}{thinking}")
     return (f"{said}: give a chat_template with {{% generation %}} blocks around what each "
             "answer writes (mimo's copy of Qwen3.5's, mimo_data/preprocess/templates/"
             "qwen3_5.jinja, is one), or one record per answer")

@@ -105,7 +105,7 @@ def external_directory(dataset: str, root: str | None,
     hold a bucket of the same name)."""
     absolute = dataset.rstrip("/") if storage.is_remote(dataset) else \
         os.path.abspath(storage.local_path(dataset))
-    endpoint = storage.endpoint_of(dataset, storage_options or {})
+    endpoint = storage.endpoint_of(dataset, storage_options or {}).rstrip("/")
     if "://" in endpoint:               # a configured endpoint, not AWS's own (unchanged)
         absolute = f"{endpoint} {absolute}"
     name = f"{storage.name_of(dataset)}-{hashlib.sha256(absolute.encode()).hexdigest()[:12]}"

@@ -141,7 +141,7 @@ def index_shard(job: _Job) -> ShardResult:
         try:
             with open_tar(location, job.storage_options) as tar:
                 result.version = tar_version(tar, location)
-                for sample in walk(tar, result.walked):
+                for sample in walk(tar, result.walked, location):
                     result.samples += 1
                     if job.first and len(head) < DETECT_SAMPLES:
                         head.append({suffix: m.data for suffix, m in sample.members.items()})

@@ -26,8 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mimo_data.errors import listed
-from mimo_data.files import (compression_named, compression_of, compression_suffix,
-                              decompress_command, not_found)
+from mimo_data.files import compression_of, decompress_command, not_found
 from mimo_data.shards import storage
 from mimo_data.shards.format import location
 from mimo_data.modalities import MARKERS, MODALITIES
@@ -820,12 +819,7 @@ def _refuse_compressed(path: str, head: bytes) -> None:
     decompressed first."""
     kind = compression_of(head)
     if kind:
-        if compression_named(path) == kind:         # the tool writes the name less its suffix
-            command = decompress_command(kind, path)
-        else:                   # (a tool refuses a name without it; another's suffix goes)
-            stem, ext = os.path.splitext(path[:len(path) - len(compression_suffix(path))])
-            command = (f"unzip -p {path}" if kind == "zip" else f"{kind} -dc {path}") + \
-                f" > {stem}.plain{ext}"
+        command = decompress_command(kind, path)
         raise SourceError(f"{path}: {kind}-compressed: decompress it first (e.g. {command}) "
                           "and give the file it writes")
 

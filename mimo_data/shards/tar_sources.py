@@ -18,6 +18,7 @@ import braceexpand
 from mimo_data.modalities import MARKERS
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards import energon, storage
+from mimo_data.files import COMPRESSIONS
 from mimo_data.shards.format import CLAIM_FILE, FORMAT_NAME, INDEX_FILE
 from mimo_data.shards.layouts import MEDIA_EXTENSIONS, MemberMap, detect, field as member
 from mimo_data.shards.records import RecordError
@@ -25,7 +26,10 @@ from mimo_data.shards.sources import SourceError
 from mimo_data.shards.tar_walk import NotATarError, Walked, not_in_place, walk
 
 DETECT_SAMPLES = 16           # samples of the first tar that decide the layout
-COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")
+# a compressed tar's names: .tar and each compression's suffix (.tar.gz), or one that says both
+COMPRESSED_TARS = tuple(suffix if suffix == ".tgz" else f".tar{suffix}"
+                        for kind, (_, suffixes) in COMPRESSIONS.items() if kind != "zip"
+                        for suffix in suffixes)
 
 
 class IndexInputError(SourceError):
@@ -412,7 +416,7 @@ def _head(root: str, names: list[str], storage_options: dict | None
         runs: dict[str, set[frozenset[str]]] = {}       # key -> the suffixes of each run
         with open_tar(storage.join(root, name), storage_options) as tar:
             try:
-                for sample in walk(tar, Walked()):
+                for sample in walk(tar, Walked(), storage.join(root, name)):
                     head.append({suffix: m.data for suffix, m in sample.members.items()})
                     runs.setdefault(sample.key, set()).add(frozenset(sample.members))
                     if len(head) == DETECT_SAMPLES:

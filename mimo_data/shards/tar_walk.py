@@ -41,8 +41,9 @@ def decompress(command: str) -> str:
 
 def not_in_place(name: str) -> str:
     """What to do with the compressed tar ``name`` (``decompress``, its tool by its suffix)."""
-    kind = compression_named(name) or "gzip"
-    return decompress(decompress_command(kind, name))
+    kind = compression_named(name)
+    assert kind is not None, name           # (tar_sources.COMPRESSED_TARS: named so)
+    return decompress(decompress_command(kind, name, ".tar"))
 
 
 class NotATarError(ValueError):
@@ -61,14 +62,15 @@ def _cut_header(first: bytes) -> bool:
             and (len(first) < 262 or first[257:262] == b"ustar"))
 
 
-def _not_a_tar(first: bytes) -> str | None:
+def _not_a_tar(first: bytes, name: str) -> str | None:
     """Why a file whose first header ``tarfile`` refused is no tar; None: a tar cut inside its
     first header (its start reads as one)."""
     kind = compression_of(first)
     if kind == "zip":
         return "not a tar but a zip file: unzip it"
     if kind:
-        return f"not a tar but {kind}-compressed: {decompress(decompress_command(kind))}"
+        return f"not a tar but {kind}-compressed: " \
+            f"{decompress(decompress_command(kind, name, '.tar'))}"
     if first.startswith(b"PAR1"):
         return ("not a tar but a Parquet file (img2dataset writes one beside each tar: give "
                 "only the tars, e.g. 'DIR/*.tar'; a dataset as a table is for `mimo-shard "
@@ -141,11 +143,11 @@ class _Hashing:
         return self._sha256.hexdigest()
 
 
-def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
+def walk(source: IO[bytes], walked: Walked, name: str = "FILE") -> Iterator[Sample]:
     """The complete samples of the tar read from ``source``; ``walked`` gets the file's size,
     sha256, why it is truncated (then the sample being read when it ended is not yielded),
     members outside any sample (no suffix) and link members (not read). NotATarError: the
-    file is no tar at all."""
+    file is no tar at all (``name``: the file, as its remedy names it)."""
     stream = _Hashing(source)
     current: Sample | None = None
     headers, reading = 0, ""
@@ -187,7 +189,7 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
             end = tar.offset
         stopped = end if stream.at(end, _BLOCK) != bytes(_BLOCK) else None
     except tarfile.ReadError as exc:
-        reason = None if headers else _not_a_tar(stream.at(0, _BLOCK))
+        reason = None if headers else _not_a_tar(stream.at(0, _BLOCK), name)
         if reason is not None:
             raise NotATarError(reason) from None
         walked.truncated = f"the tar ends inside a member ({exc})"

@@ -88,8 +88,15 @@ def image_geometry(config, processor: dict) -> dict:
     side = (processor["crop_size"] if crop else processor["size"])["height"]
     return {"policy": "fixed", "image_size": side,
             "patch_size": config.vision_config.patch_size, "crop": crop,
-            **({"pad": True} if processor.get("do_pad") else {}),
+            **({"pad": True} if pads(processor) else {}),
             "mean": processor["image_mean"], "std": processor["image_std"]}
+
+
+def pads(processor: dict) -> bool:
+    """Whether the image processor settings ``processor`` pad each image to a square first:
+    ``LlavaImageProcessor``'s ``do_pad`` (CLIP's processor reads no such key)."""
+    return bool(processor.get("do_pad")) and str(
+        processor.get("image_processor_type", "")).startswith("LlavaImageProcessor")
 
 
 def _feature_layers(config) -> list[int]:
@@ -180,7 +187,7 @@ def check_resize(pretrained: str, image: ImageConfig) -> None:
             f"{path} resizes with size {size}, do_center_crop {crop}, crop_size "
             f"{saved.get('crop_size')}; the preprocessing config gives image_size {side}, crop "
             f"{image.crop}: set modalities.image.image_size and crop to the processor's")
-    pad = bool(saved.get("do_pad"))
+    pad = pads(saved)
     if pad != image.pad:
         raise EncoderBuildError(
             f"{path} " + ("pads each image to a square of its image_mean colour first (do_pad: "

@@ -54,15 +54,18 @@ def frames_clip(folder: str, fps: float) -> bytes:
     if gap:
         raise MediaError("missing_media", f"the frames folder skips a number: {gap[0]} then "
                          f"{gap[1]}, where its frames step by {gap[2]} (a frame missing: "
-                         "every frame after it would be shown early); put the frame back, or "
-                         "leave the video out")
+                         "every frame after it would be shown early); put the frame back, or, "
+                         "where the frames were taken so (kept unevenly from a longer clip), "
+                         "name them 1 to N in their order")
     return frames_list_clip([os.path.join(folder, name) for name in names], fps)
 
 
 def _numbering_gap(names: list[str]) -> tuple[str, str, int] | None:
     """Two adjacent frames (in ``frame_order``) whose names' numbers step by a multiple of the
-    folder's smallest step, with the step; None where there is none, or where the names
-    differ otherwise than in their last number (no evidence)."""
+    folder's smallest step, with the step, where at most one step in ten does (a frame lost
+    from frames taken evenly); None where there is none, where more steps do (frames kept
+    unevenly from a longer clip, numbered by its frames), or where the names differ otherwise
+    than in their last number (no evidence)."""
     split = [_NUMBER.split(name) for name in names]
     if len(names) < 3 or any(len(parts) < 3 for parts in split) or \
             len({(*parts[:-2], parts[-1]) for parts in split}) > 1:
@@ -72,8 +75,11 @@ def _numbering_gap(names: list[str]) -> tuple[str, str, int] | None:
     least = min(steps)
     if least <= 0:
         return None
-    at = next((k for k, step in enumerate(steps) if step != least and step % least == 0), None)
-    return None if at is None else (names[at], names[at + 1], least)
+    odd = [k for k, step in enumerate(steps) if step != least]
+    if not odd or len(odd) > max(1, len(steps) // 10) or \
+            any(steps[k] % least for k in odd):
+        return None
+    return names[odd[0]], names[odd[0] + 1], least
 
 
 def frames_list_clip(paths: list[str], fps: float) -> bytes:
