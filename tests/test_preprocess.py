@@ -591,6 +591,22 @@ def test_template_that_writes_answers_without_their_content_is_refused_at_start(
     for append in ("auto", True):
         Preprocessor(config(tokenizer=str(base), chat_template=chatml, append_eos=append),
                      with_media=False)
+    # Phi-3's form: its turns end <|end|>, the whole text with the EOS (<|endoftext|>): each
+    # earlier turn is its render less that EOS, every answer trained through its turn's end
+    two = {"key": "k", "media": [], "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6."}]}
+    for append in ("auto", False):
+        phi = Preprocessor(config(tokenizer=str(base), chat_template=ending, append_eos=append),
+                           with_media=False)
+        assert trained_text(reference_tokenizer, phi(two)) == "4.<|im_end|>6.<|im_end|>", append
+    # the turn's end the tokenizer's padding token (Llama-3 base with pad <|eot_id|>), or an
+    # added token not marked special: no other text either
+    for pad in ("<|im_end|>", "<|endoftext|>"):
+        (base / "tokenizer_config.json").write_text(json.dumps(
+            {**settings, "eos_token": "<|endoftext|>" if pad == "<|im_end|>" else "</s>",
+             "pad_token": pad}))
+        Preprocessor(config(tokenizer=str(base), chat_template=chatml), with_media=False)
     # typed parts for a user's content, a string for an answer (what llava-hf's templates
     # take, edited): the answer as given, never the parts' Python text
     mixed = turn.replace("{{ m['content'] }}", "{% for p in m['content'] %}{{ p['text'] }}"

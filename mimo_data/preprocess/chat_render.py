@@ -109,7 +109,7 @@ class ChatRenderer:
 
     def __init__(self, config: PreprocessConfig, tokenizer):
         self.config = config
-        self.eot = tokenizer.eos_token
+        self.eot = self._eos = tokenizer.eos_token
         if self.eot is None:
             raise ValueError(f"tokenizer {config.tokenizer!r} has no eos token to end turns with")
         self.template: str | None = None
@@ -159,8 +159,14 @@ class ChatRenderer:
             self.part_joiner = self._part_joiner()
             modality_tokens = {m.token for m in config.modalities.values()}
             endings = answer_endings(self._render)
-            self._end_tokens = ends = end_tokens(tokenizer,
-                                                 modality_tokens | set(MARKERS.values()))
+            ends = end_tokens(tokenizer, modality_tokens | set(MARKERS.values()))
+            # what may follow an answer in its span: the end tokens, the padding token
+            # (Llama-3's <|eot_id|> as a base tokenizer's pad) and any other added token (a
+            # ChatML <|im_end|> added as a plain one), but the modality tokens
+            self._end_tokens = [*ends, *(token.content for token in
+                                         tokenizer.added_tokens_decoder.values()
+                                         if token.content not in modality_tokens
+                                         and token.content not in MARKERS.values())]
             self.eos_appending = eos_appending(config.append_eos, self.eot, endings, ends)
             if config.append_eos is not True:      # true: the EOS after every answer
                 # answers are trained through the token the template ends them with
@@ -393,6 +399,11 @@ class ChatRenderer:
             before = self._render(messages[:i], generation_prompt=True, tools=tools)
             after = text if i == len(messages) - 1 else self._render(messages[:i + 1],
                                                                      tools=tools)
+            # a template that ends the whole text with the EOS (Phi-3's, where no answer is
+            # prompted): the turn is its render less that EOS
+            if not text.startswith(after) and after.endswith(self._eos) and \
+                    text.startswith(after[:len(after) - len(self._eos)]):
+                after = after[:len(after) - len(self._eos)]
             if not (after.startswith(before) and text.startswith(after)):
                 # a stand-in answer the template does not write: it leaves the answers out
                 if _ANSWER_PROBE not in self._render(
