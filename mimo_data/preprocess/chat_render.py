@@ -9,7 +9,8 @@ whitespace between them (what the model writes first at inference); where the te
 none and
 ``append_eos`` is on (``end_of_turn``), to the answer's end, and the EOS token is appended
 after it. A template that does not re-render the same prefix is an error naming the sample,
-never a silently wrong mask.
+never a silently wrong mask; one that trains an answer's turn without the answer (stand-in
+conversations tell) is refused when the renderer is made.
 
 Incremental rendering costs one render per assistant turn and one more per turn before it, so
 it runs once per conversation *shape* (its roles), on a skeleton whose contents are
