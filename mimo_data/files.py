@@ -50,6 +50,8 @@ def file_in_the_way(folder: str) -> str | None:
     return None
 
 
+# a Parquet file's leading bytes (a table given where another file is read)
+PARQUET_MAGIC = b"PAR1"
 # the compressions users' files come in: each one's leading bytes (whatever the file's name)
 # and its names' suffixes; undone by ``decompress_command``
 COMPRESSIONS = {"gzip": (b"\x1f\x8b", (".gz", ".tgz")), "zstd": (b"\x28\xb5\x2f\xfd", (".zst",)),
@@ -76,7 +78,7 @@ def compression_named(name: str) -> str | None:
                 None)
 
 
-def decompress_command(kind: str, path: str = "FILE", ext: str | None = None) -> str:
+def decompress_command(kind: str, path: str, ext: str | None = None) -> str:
     """The command that decompresses ``path`` in ``kind``: beside itself, the file kept, where
     its name ends with the suffix of ``kind`` (the tool writes the name less it); else into
     ``STEM.plain.EXT`` (the tool refuses a name without its suffix; another's suffix goes;

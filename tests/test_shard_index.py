@@ -945,7 +945,8 @@ def test_a_small_file_that_is_no_tar_is_refused_not_read_as_truncated(pairs, tmp
         assert code == 2 and why in err, err
     walked = Walked()
     cut = (pairs.src / "pairs-000000.tar").read_bytes()[:300]
-    assert list(walk(io.BytesIO(cut), walked)) == [] and "truncated header" in walked.truncated
+    assert list(walk(io.BytesIO(cut), walked, "cut.tar")) == [] and \
+        "truncated header" in walked.truncated
 
 
 @pytest.mark.filterwarnings(FORK_WARNING)       # energon prepare's worker pool

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mimo_data.errors import listed
-from mimo_data.files import compression_of, decompress_command, not_found
+from mimo_data.files import PARQUET_MAGIC, compression_of, decompress_command, not_found
 from mimo_data.shards import storage
 from mimo_data.shards.format import location
 from mimo_data.modalities import MARKERS, MODALITIES
@@ -781,7 +781,7 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
         fmt = "manifest" if lines and _first_record_has(path, "audio_filepath") else "llava"
     if fmt == "parquet":
         return ParquetTable(path, media_root, columns)
-    if head.startswith(_PARQUET_MAGIC):
+    if head.startswith(PARQUET_MAGIC):
         raise SourceError(f"{path}: a Parquet file, given --input-format {fmt}: give "
                           "--input-format parquet, or leave it out")
     if fmt == "manifest":
@@ -793,7 +793,6 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
 
 _SNIFF_LINES = 20   # non-blank lines read to find the first well-formed record
 _LINES_SUFFIXES = (".jsonl", ".ndjson")
-_PARQUET_MAGIC = b"PAR1"
 
 
 # the byte-order marks of text in UTF-16 or UTF-32 (Windows Notepad's "Unicode", PowerShell's

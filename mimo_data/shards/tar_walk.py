@@ -27,23 +27,24 @@ from typing import IO
 
 from webdataset.tariterators import base_plus_ext
 
-from mimo_data.files import compression_named, compression_of, decompress_command
+from mimo_data.files import (PARQUET_MAGIC, compression_named, compression_of,
+                              decompress_command)
 
 _BLOCK = 512
 _WINDOW = 1 << 16      # bytes kept behind the read position: tarfile buffers 10 KiB at most
 
 
-def decompress(command: str) -> str:
+def _decompress(command: str) -> str:
     """What to do with a tar that ``command`` (`gzip -dk FILE`) decompresses."""
     return (f"decompress it into a .tar (`{command}`), then index that: a compressed tar's "
             "members have no byte offsets to read them at")
 
 
 def not_in_place(name: str) -> str:
-    """What to do with the compressed tar ``name`` (``decompress``, its tool by its suffix)."""
+    """What to do with the compressed tar ``name`` (its tool by its suffix)."""
     kind = compression_named(name)
     assert kind is not None, name           # (tar_sources.COMPRESSED_TARS: named so)
-    return decompress(decompress_command(kind, name, ".tar"))
+    return _decompress(decompress_command(kind, name, ".tar"))
 
 
 class NotATarError(ValueError):
@@ -70,8 +71,8 @@ def _not_a_tar(first: bytes, name: str) -> str | None:
         return "not a tar but a zip file: unzip it"
     if kind:
         return f"not a tar but {kind}-compressed: " \
-            f"{decompress(decompress_command(kind, name, '.tar'))}"
-    if first.startswith(b"PAR1"):
+            f"{_decompress(decompress_command(kind, name, '.tar'))}"
+    if first.startswith(PARQUET_MAGIC):
         return ("not a tar but a Parquet file (img2dataset writes one beside each tar: give "
                 "only the tars, e.g. 'DIR/*.tar'; a dataset as a table is for `mimo-shard "
                 "build`)")
@@ -143,7 +144,7 @@ class _Hashing:
         return self._sha256.hexdigest()
 
 
-def walk(source: IO[bytes], walked: Walked, name: str = "FILE") -> Iterator[Sample]:
+def walk(source: IO[bytes], walked: Walked, name: str) -> Iterator[Sample]:
     """The complete samples of the tar read from ``source``; ``walked`` gets the file's size,
     sha256, why it is truncated (then the sample being read when it ended is not yielded),
     members outside any sample (no suffix) and link members (not read). NotATarError: the

@@ -116,7 +116,7 @@ def _walk_built(path: str, shard: dict, rows: list[dict], walked: Walked) -> lis
     expected = iter(rows)
     samples = 0
     with open(path, "rb") as tar:
-        for sample in walk(tar, walked):
+        for sample in walk(tar, walked, shard["name"]):
             samples += 1
             row = next(expected, None)
             if row is None or row["key"] != sample.key:
@@ -168,7 +168,7 @@ def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict],
     prefix = f"{shard['name']}/" if keys_per_tar else ""
     problems: list[str] = []
     with open(path, "rb") as tar:
-        for sample in walk(tar, walked):
+        for sample in walk(tar, walked, shard["name"]):
             # left out by the indexing (its report counts it): a run of members repeating a
             # suffix always, though a later run of its key is kept
             if sample.duplicates or prefix + sample.key not in expected:

@@ -208,6 +208,27 @@ def _no_latest(root: str) -> None:
                           "run stops on a signal or at its end): export once one is saved")
 
 
+def _refuse_a_step_folder(output: str) -> None:
+    """ExportError where ``output``, or a folder above it, is a step of a checkpoint.dir (as
+    given, or through the links on its way): a run saving that step replaces it, and
+    checkpoint.keep_last's pruning removes it with the step, unsaid."""
+    from mimo_train.checkpoint_folders import LATEST, STEP_NAME, complete_steps
+    for given in dict.fromkeys([output, os.path.realpath(output)]):
+        step = given
+        while os.path.dirname(step) != step:
+            root = os.path.dirname(step)
+            if re.fullmatch(STEP_NAME, os.path.basename(step)) and os.path.isdir(root) and (
+                    os.path.lexists(os.path.join(root, LATEST)) or complete_steps(root)):
+                raise ExportError(
+                    f"--output {output} " + (
+                        f"is a step's name in the checkpoint.dir {root}: a run saving that "
+                        "step there would replace the export" if step == given else
+                        f"is inside {step}, a step of the checkpoint.dir {root}: a run's "
+                        "checkpoint.keep_last removes it with the step") +
+                    "; export to a folder of its own")
+            step = root
+
+
 def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | None = None,
            log=None, base: str | None = None) -> str:
     """Write ``checkpoint`` (see ``step_directory``) to the new directory ``output``, a LoRA
@@ -226,24 +247,7 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
                           "directory")
     directory = step_directory(checkpoint)
     parent = os.path.dirname(output)
-    from mimo_train.checkpoint_folders import LATEST, STEP_NAME, complete_steps
-    # the output, or a folder above it, a step of a checkpoint.dir (as given, or through the
-    # links on its way): a run saving that step replaces it, and checkpoint.keep_last's
-    # pruning removes it with the step, unsaid
-    for given in dict.fromkeys([output, os.path.realpath(output)]):
-        step = given
-        while os.path.dirname(step) != step:
-            root = os.path.dirname(step)
-            if re.fullmatch(STEP_NAME, os.path.basename(step)) and os.path.isdir(root) and (
-                    os.path.lexists(os.path.join(root, LATEST)) or complete_steps(root)):
-                raise ExportError(
-                    f"--output {output} " + (
-                        f"is a step's name in the checkpoint.dir {root}: a run saving that "
-                        "step there would replace the export" if step == given else
-                        f"is inside {step}, a step of the checkpoint.dir {root}: a run's "
-                        "checkpoint.keep_last removes it with the step") +
-                    "; export to a folder of its own")
-            step = root
+    _refuse_a_step_folder(output)
     try:
         os.makedirs(parent, exist_ok=True)
     except OSError as error:

@@ -71,8 +71,7 @@ class Generation:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mimo-generate", description="Answer a prompt, with images, videos and audio, "
-        "using a "
-        "model written by mimo-export (training's preprocessing, the encoders and "
+        "using a model written by mimo-export (training's preprocessing, the encoders and "
         "projections, then the language model's generate).",
         epilog="Exit codes: 0 answered, 1 a media file failed a check, 2 usage or config error.")
     parser.add_argument("--model", type=user_path, required=True, metavar="OUT",
