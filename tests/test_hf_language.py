@@ -275,6 +275,44 @@ def test_what_megatron_cannot_reproduce_is_refused(tmp_path, change, message):
         _load(f"model.language.pretrained={tmp_path}")
 
 
+def test_a_mixture_whose_experts_or_top_k_megatron_would_change_is_refused(tmp_path):
+    """The published Qwen3.5-MoE's shape: fused experts holding more or fewer experts than
+    config.json's num_experts are refused naming the tensor (transformers refuses the size
+    mismatch; the first num_experts were trained silently), and top-1 routing (transformers'
+    renormalized weight 1, which megatron-core's router refuses) in the config's terms, not
+    megatron-core's command-line flag."""
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.base import CheckpointWeights, Tensors
+    from mimo_train.families.causal_lm import to_megatron
+    from mimo_train.families.registry import language_arch
+    folder = model_dir("published/Qwen--Qwen3.5-35B-A3B")
+    arch, held = language_arch(str(folder)), CheckpointWeights(str(folder))
+    fused = f"{arch.prefix}layers.1.mlp.experts.down_proj"
+    assert held.shape(fused)[0] == arch.experts
+    for count in (arch.experts + 2, arch.experts - 2):
+        def read(name: str, count: int = count) -> torch.Tensor:
+            whole = held(name)
+            return whole.repeat(2, 1, 1)[:count] if name == fused else whole
+        for experts in (None, range(arch.experts // 2)):        # all of them; ep2's first
+            with pytest.raises(TrainConfigError) as caught:
+                to_megatron(Tensors(read), arch, tp_rank=0, tp_size=1, layers=[1],
+                            first_stage=True, last_stage=True, vocab_size=arch.vocab_size,
+                            experts=experts)
+            assert str(caught.value) == (
+                f"the checkpoint's {fused} holds {count} experts, its config.json names "
+                f"{arch.experts} (num_experts): not the architecture its config.json "
+                "describes"), caught.value
+    for file in folder.glob("model.safetensors*"):
+        (tmp_path / file.name).symlink_to(file)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["num_experts_per_tok"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TrainConfigError, match=r"num_experts_per_tok 1 \(megatron-core's "
+                       "router takes top-1") as refused:
+        language_arch(str(tmp_path))
+    assert "pre-softmax" not in str(refused.value)
+
+
 # ------------------------------------------------------------------------------- parity
 
 LAYOUTS = ["language=dp2", "language=tp2", "language=pp2"]     # dp2: tp1 on each rank

@@ -241,6 +241,10 @@ def _unmapped(config, family: str) -> list[str]:
                 getattr(config, "decoder_sparse_step", 1) != 1:
             problems.append("dense MLP layers between the mixture-of-experts ones "
                             "(mlp_only_layers, decoder_sparse_step)")
+        if config.num_experts_per_tok == 1:
+            problems.append("num_experts_per_tok 1 (megatron-core's router takes top-1 "
+                            "routing only with the softmax before the top-k, which gives "
+                            "the expert another weight than transformers' renormalized one)")
         if getattr(config, "norm_topk_prob", True) is False:
             problems.append("norm_topk_prob false (routing weights not renormalized)")
     if family in HYBRID:

@@ -185,6 +185,12 @@ def _experts_to_megatron(parts: RankParts, arch: LanguageArch, src: str, dst: st
     (``shared_expert_gate``) as megatron-core's ``shared_experts``."""
     gate_up, down = src + "experts.gate_up_proj", src + "experts.down_proj"
     count = parts.tensors.shape(gate_up)[0]
+    for name in (gate_up, down):    # transformers refuses a size mismatch too
+        if parts.tensors.shape(name)[0] != arch.experts:
+            raise TrainConfigError(
+                f"the checkpoint's {name} holds {parts.tensors.shape(name)[0]} experts, its "
+                f"config.json names {arch.experts} (num_experts): not the architecture its "
+                "config.json describes")
     held = range(count) if experts.held is None else experts.held
     if held.step != 1 or not 0 <= held.start <= held.stop <= count:
         raise ValueError(f"experts {held} are not a run of the checkpoint's "
