@@ -162,6 +162,19 @@ def qwen():
     return text, AutoProcessor.from_pretrained(path), model
 
 
+@pytest.mark.parametrize("kind, text", [("caption", "end"), ("document", "A page:\n<image>\nend")])
+def test_inspect_finds_a_text_after_its_image_not_in_the_images_wrap_tokens(qwen, kind, text):
+    """``mimo-inspect report``'s loss_mask_coverage finds a caption's or a document's text
+    after its image's tokens: a trained "end" after <|vision_end|> passes (it was found in
+    the untrained wrap token, and failed)."""
+    encoder, _, _ = qwen
+    record = {"key": "e", "id": None, "source": {}, "kind": kind, "text": text,
+              "media": [_image(56, 56)]}
+    stats, sample = SampleInspector(encoder.config, text=encoder)(0, record)
+    assert sample is not None and sample.loss_mask.sum() > 0
+    assert stats.coverage_problems == [] and stats.assistant_chars_not_trained == 0
+
+
 @pytest.mark.parametrize("train_wraps", [False, True])
 def test_a_qwen2_vl_document_is_the_processors_tokens_and_its_mrope_positions(
         qwen, corpus, train_wraps):

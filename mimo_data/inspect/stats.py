@@ -312,6 +312,10 @@ class SampleInspector:
                 _PLACEHOLDER, str(message.get("content", "")))).strip()
             names = _call_words(message)
             if not content.replace(_PLACEHOLDER, "").strip() and not names:
+                # media alone (a caption's image, a document's): passed, so that a text after
+                # them is not found in their wrap tokens ("end" in <|vision_end|>)
+                if content and (media := _spread(content).search(text, cursor)):
+                    cursor = media.end()
                 continue
             header = _locate(text, headers[turn], cursor) if headers and headers[turn] else None
             kept = written.get(turn) if written else None
@@ -468,11 +472,16 @@ def _locate(text: str, content: str, start: int) -> Found | None:
     found = text.find(content, start)
     if found >= 0:
         return Found(found, found + len(content))
-    match = re.compile(r"\s*".join(
-        re.escape(word).replace(re.escape(_PLACEHOLDER), f"({_ITEM})")
-        for word in content.split())).search(text, start)
+    match = _spread(content).search(text, start)
     return Found(*match.span(), tuple(match.span(g) for g in range(1, len(match.groups()) + 1))
                  ) if match else None
+
+
+def _spread(content: str) -> re.Pattern:
+    """``content`` as a pattern of the decoded text: whitespace may differ, and each medium's
+    placeholder holds the tokens written around it (``_ITEM``, a group each)."""
+    return re.compile(r"\s*".join(re.escape(word).replace(re.escape(_PLACEHOLDER), f"({_ITEM})")
+                                  for word in content.split()))
 
 
 # A medium's placeholders in the decoded text with the tokens written around them: its wrap
