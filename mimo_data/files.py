@@ -1,11 +1,13 @@
 """Local-file helpers every part of mimo uses: atomic writes, content digests, Parquet read a
-batch at a time, YAML read with a key given twice refused, and compressed files known by their
-first bytes or names."""
+batch at a time, YAML read with a key given twice refused, compressed files known by their
+first bytes or names, and how a file is missing."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import unicodedata
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -31,10 +33,44 @@ def write_atomic(path: str, data: bytes) -> None:
 
 def not_found(path: str) -> str:
     """How a path that opens no file is missing: a symbolic link to nothing is said as one
-    (its target named), else "not found"."""
+    (its target named), a name its folder holds but for the Unicode normalization, letter
+    case or white space around it (which print alike) with that name, else "not found"."""
     if os.path.islink(path):
         return f"a symbolic link to {os.readlink(path)}, which does not exist"
-    return "not found"
+    name = os.path.basename(path)
+    near = _names_alike(os.path.dirname(path) or ".").get(_alike(name))
+    if near is None or near == name:       # (a name read before the file went)
+        return "not found"
+    differs = ("its Unicode normalization (NFC and NFD: macOS and its zip files write names "
+               "decomposed)" if unicodedata.normalize("NFC", near) ==
+               unicodedata.normalize("NFC", name) else
+               "white space around it" if near.strip() == name.strip() else "letter case")
+    return (f"not found, but its folder holds {near!r}, another name for {name!r} only in "
+            f"{differs}: rename the file, or the record's path")
+
+
+# names read of a folder to find one alike (a folder of more names is not searched)
+_MAX_NAMES_ALIKE = 100_000
+
+
+def _alike(name: str) -> str:
+    return unicodedata.normalize("NFC", name).casefold().strip()
+
+
+@functools.lru_cache(maxsize=8)
+def _names_alike(folder: str) -> dict[str, str]:
+    """``folder``'s names by ``_alike``; empty where it cannot be read or holds more than
+    ``_MAX_NAMES_ALIKE`` (kept for the next missing file of the folder)."""
+    names: dict[str, str] = {}
+    try:
+        with os.scandir(folder) as entries:
+            for count, entry in enumerate(entries):
+                if count == _MAX_NAMES_ALIKE:
+                    return {}
+                names.setdefault(_alike(entry.name), entry.name)
+    except OSError:
+        return {}
+    return names
 
 
 def file_in_the_way(folder: str) -> str | None:

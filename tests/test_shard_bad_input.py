@@ -7,7 +7,9 @@ import json
 import math
 import random
 import re
+import shutil
 import struct
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -1039,6 +1041,25 @@ def test_media_urls_are_counted_as_not_downloaded(capsys, tmp_path, assets, good
                                       "folder, or to --media-root; this one is written with "
                                       "backslashes, as Windows writes paths: write it with / "
                                       "(and without a drive letter))"), windows
+    # a name its folder holds but for what prints alike (macOS's decomposed é, a trailing
+    # space, letter case): the file it holds named, not "not found" alone
+    (tmp_path / "alike").mkdir()
+    held = [unicodedata.normalize("NFD", "café.jpg"), "rocket.jpg", "Astronaut.JPG"]
+    for name in held:
+        shutil.copy(assets["jpeg"], tmp_path / "alike" / name)
+    given = [unicodedata.normalize("NFC", "café.jpg"), "rocket.jpg ", "astronaut.jpg"]
+    code, _, err = cli_main(capsys, "build", write_jsonl(tmp_path / "alike.jsonl", [
+        *good_records, *(_image_record(f"alike/{name}") | {"id": f"alike-{k}"}
+                         for k, name in enumerate(given))]), "-o", tmp_path / "alike-out",
+        "--no-progress")
+    assert code == 0, err
+    details = [first["detail"] for first in read_json(tmp_path / "alike-out" / "report.json")[
+        "skipped_by_reason"]["missing_media"]["first"]]
+    assert [detail.split(": ", 1)[1].split(": rename")[0] for detail in details] == [
+        f"not found, but its folder holds {near!r}, another name for {name!r} only in {how}"
+        for near, name, how in zip(held, given, (
+            "its Unicode normalization (NFC and NFD: macOS and its zip files write names "
+            "decomposed)", "white space around it", "letter case"))], details
 
 
 # ----------------------------------------------------------------------------------- strict

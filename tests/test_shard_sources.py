@@ -717,6 +717,41 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
                             "--input-format", "llava", "--no-progress")
     assert code == 2 and "rows.parquet: a Parquet file, given --input-format llava: give " \
         "--input-format parquet, or leave it out" in err, err
+    # one record saved as a JSON object: wrapped, not its turns taken out (which the advice
+    # for a wrapped list gave: a file of turns, each skipped as malformed_record)
+    single = tmp_path / "record.json"
+    single.write_text(json.dumps(good_records[0], indent=2))
+    code, _, err = cli_main(capsys, "build", single, "-o", tmp_path / "no", "--no-progress")
+    assert code == 2 and f"{single}: a JSON object, one record (its keys conversations, " \
+        "image), where a JSON array of records is read: put it in [ ], or write it as one " \
+        f"JSONL line (e.g. jq -c . {single} > records.jsonl)" in err, err
+    # records pretty-printed one after another (jq without -c): one refusal saying so, with
+    # the command that writes them a line each, not a skip per line nor jq -c '.[]'
+    pretty = "\n".join(json.dumps(record, indent=2) for record in good_records[:2])
+    for suffix in (".json", ".jsonl"):
+        (tmp_path / f"pretty{suffix}").write_text(pretty + "\n")
+        code, _, err = cli_main(capsys, "build", tmp_path / f"pretty{suffix}", "-o",
+                                tmp_path / "no", "--no-progress")
+        assert code == 2 and "written over several lines (pretty-printed; jq without -c)" in \
+            err and "(e.g. jq -c . FILE > records.jsonl)" in err, err
+        assert "jq -c '.[]'" not in err and not (tmp_path / "no").exists(), err
+    written = tmp_path / "pretty.jsonl"
+    written.write_text("".join(json.dumps(record) + "\n" for record in good_records[:2]))
+    code, _, err = cli_main(capsys, "build", written, "-o", tmp_path / "fixed", "--no-progress")
+    assert code == 0 and read_json(tmp_path / "fixed" / "report.json")["samples_written"] == 2
+    # an empty JSON file holds no record, as an empty JSONL does
+    for name in ("empty.json", "empty.jsonl"):
+        (tmp_path / name).write_text("\n")
+        code, _, err = cli_main(capsys, "build", tmp_path / name, "-o", tmp_path / "no",
+                                "--no-progress")
+        assert code == 1 and "inputs hold no record" in err, err
+    # Common Voice's TSV: named as a file build does not read, with what to write instead
+    (tmp_path / "train.tsv").write_text("client_id\tpath\tsentence\nabc\ta.mp3\tHi.\n")
+    code, _, err = cli_main(capsys, "build", tmp_path / "train.tsv", "-o", tmp_path / "no",
+                            "--no-progress")
+    assert code == 2 and "reads no .tsv file (Common Voice's TSV, LibriSpeech's trans.txt): " \
+        "write its utterances as a NeMo speech manifest" in err and "--input-format" not in \
+        err, err
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])

@@ -361,14 +361,27 @@ class ConversationFile:
         """A JSON array file's records: parsed whole (JSONL is read a line at a time)."""
         try:
             # utf-8-sig: a leading BOM (as Windows editors write) is not part of the array
-            records = json.loads(Path(self.path).read_bytes().decode("utf-8-sig"))
+            text = Path(self.path).read_bytes().decode("utf-8-sig")
+            if not text.strip():                    # no record, as an empty JSONL holds
+                return []
+            records = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             what = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else "not valid JSON"
-            raise SourceError(f"{self.path}: {what} ({exc}); fix it, or convert it to JSONL "
-                              "so that bad records can be skipped one by one (one object a "
-                              "line, its first character no '[', which reads as a JSON "
-                              "list whatever the file's name; e.g. jq -c '.[]' FILE > "
-                              "records.jsonl, where jq reads it)") from None
+            objects = isinstance(exc, json.JSONDecodeError) and \
+                exc.msg == "Extra data" and text.lstrip().startswith("{")
+            raise SourceError(f"{self.path}: {what} ({exc})" + (
+                ": JSON objects one after another, written over several lines (pretty-"
+                "printed; jq without -c): write one a line, as JSONL (e.g. jq -c . FILE > "
+                "records.jsonl)" if objects else
+                "; fix it, or convert it to JSONL so that bad records can be skipped one by "
+                "one (one object a line, its first character no '[', which reads as a JSON "
+                "list whatever the file's name; e.g. jq -c '.[]' FILE > records.jsonl, where "
+                "jq reads it)")) from None
+        if isinstance(records, dict) and records.keys() & _RECORD_KEYS:
+            raise SourceError(f"{self.path}: a JSON object, one record (its keys "
+                              f"{listed(sorted(records.keys() & _RECORD_KEYS))}), where a JSON "
+                              "array of records is read: put it in [ ], or write it as one "
+                              f"JSONL line (e.g. jq -c . {self.path} > records.jsonl)")
         if not isinstance(records, list):
             inside = [key for key, value in records.items() if isinstance(value, list)] \
                 if isinstance(records, dict) else []
@@ -719,6 +732,11 @@ def _json_value(raw):
         raise RecordError("malformed_json", f"the conversation is not valid JSON: {exc}") from None
 
 
+# keys that make a JSON object a record (a conversation, a document, a caption, an utterance)
+_RECORD_KEYS = frozenset(("conversations", "messages", "image", "images", "video", "videos",
+                          "audio", "audios", "texts", "caption", "text_list", "audio_filepath"))
+
+
 def _pick_column(path, names, wanted, candidates) -> str | None:
     """The column ``wanted`` (SourceError where there is none), else the first of
     ``candidates`` the table has (None: none)."""
@@ -768,6 +786,11 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     _refuse_wide_text(path, head)
     fmt = input_format
     suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl
+    if fmt == "auto" and suffix in (".tsv", ".csv", ".txt"):
+        raise SourceError(f"{path}: mimo-shard build reads no {suffix} file (Common Voice's "
+                          "TSV, LibriSpeech's trans.txt): write its utterances as a NeMo "
+                          "speech manifest, a JSONL of {\"audio_filepath\", \"text\"} a line "
+                          "(docs/datasets.md shows how), and give that")
     if fmt == "auto" and suffix not in (".parquet", ".json", *_LINES_SUFFIXES):
         raise SourceError(f"{path}: cannot tell the input format from the extension (.json, "
                           f".jsonl, .ndjson or .parquet); pass --input-format "
@@ -777,6 +800,10 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     # a file opening a JSON array is one whatever its name (a list of records saved as .jsonl)
     lines = fmt in ("auto", "llava") and not _json_array(path) and (
         suffix in _LINES_SUFFIXES or _json_lines(path))
+    if lines and _first_line(path) == b"{":
+        raise SourceError(f"{path}: its first line is '{{' alone: JSON objects written over "
+                          "several lines (pretty-printed; jq without -c), where JSONL holds "
+                          "one a line: write them so (e.g. jq -c . FILE > records.jsonl)")
     if fmt == "auto":
         fmt = "manifest" if lines and _first_record_has(path, "audio_filepath") else "llava"
     if fmt == "parquet":
@@ -840,6 +867,13 @@ def _leading_records(path: str):
             seen += 1
             if seen == _SNIFF_LINES:
                 return
+
+
+def _first_line(path: str) -> bytes:
+    """``path``'s first non-blank line (of its first 4 KiB), stripped, without a BOM."""
+    with open(path, "rb") as data:
+        head = data.read(4096).removeprefix(codecs.BOM_UTF8)
+    return next((line.strip() for line in head.splitlines() if line.strip()), b"")
 
 
 def _json_array(path: str) -> bool:
