@@ -1122,6 +1122,13 @@ def test_plan_matches_what_each_ranks_loader_delivers(capsys, request, configs, 
                          layout, "--global-batch-size", "8", "--micro-batch-size", "2", "--json")
     assert code == 0, err
     result = json.loads(out)
+    # an encoder module no sample feeds (the single images hold no audio): warned of
+    idle = {"audio": {"modalities": ["audio"], "ranks": [3]}} if dataset == "single_image" \
+        else {}
+    assert result["plan"]["idle"] == idle, result["plan"]["idle"]
+    assert ("mimo-inspect plan: WARNING module 'audio' gets no item this epoch (the data "
+            "holds no audio): its weights would not train and its rank(s) 3 do nothing for "
+            "it; drop it from the layout, or give the data it is for" in err) == bool(idle), err
     config = PreprocessConfig.from_yaml(str(configs[config_name]))
     rows_to_tokens = {"image": image_rows_to_tokens, "audio": audio_rows_to_tokens}
     parsed = Layout.parse(layout)

@@ -177,12 +177,15 @@ class PlanSummary:
         cp_sizes = {module.name: module.cp for module in modules}
         rows: list = []
         by_module: dict = {}
+        epoch_tokens: dict[str, int] = {}           # module -> its tokens over the epoch
         for entry in result["ranks"]:
             if entry["steps"] is None:
                 rows.append({"rank": entry["rank"], "module": None, "needs_data": False})
                 continue
             for index, part in enumerate(entry["role"]["modules"]):
                 steps = self.parts.get((entry["rank"], index), _Steps())
+                epoch_tokens[part["module"]] = epoch_tokens.get(part["module"], 0) + sum(
+                    steps.tokens)
                 tokens = np.asarray(steps.tokens, dtype=np.int64)
                 tokens = tokens if len(tokens) else np.zeros(1, np.int64)
                 samples = np.asarray(steps.samples or [0], dtype=np.int64)
@@ -215,7 +218,12 @@ class PlanSummary:
             imbalance[module] = {"dp_size": len(dp), "mean": float(ratios.mean())
                                  if len(ratios) else 1.0, "max": float(ratios.max())
                                  if len(ratios) else 1.0, "worst_step": worst}
-        return {"ranks": rows, "imbalance": imbalance}
+        idle = {module: {"modalities": sorted(m for entry in result["ranks"] for m, name in
+                                              entry["role"]["media"].items() if name == module),
+                         "ranks": sorted({row["rank"] for row in rows
+                                          if row["module"] == module})}
+                for module, held in epoch_tokens.items() if not held and module != LANGUAGE}
+        return {"ranks": rows, "imbalance": imbalance, "idle": idle}
 
     def packing_summary(self, enabled: bool) -> dict:
         """Language tokens over the positions of the packed, padded and cut-to-longest layouts
@@ -296,7 +304,17 @@ def format_plan(result: dict, plan: dict) -> str:
     lines.append("checks    " + ("ok: every rank has the same number of micro-batches and every "
                                  "module's DP parts concatenate to the same global micro-batch"
                                  if checks["ok"] else "FAILED: " + "; ".join(checks["problems"])))
+    lines += [f"idle      {text}" for text in idle_modules(plan)]
     return "\n".join(lines)
+
+
+def idle_modules(plan: dict) -> list[str]:
+    """Per encoder module of ``plan`` that no sample of the epoch feeds, what that costs."""
+    return [f"module {module!r} gets no item this epoch (the data holds no "
+            f"{' or '.join(idle['modalities']) or 'item of it'}): its weights would not train "
+            f"and its rank(s) {', '.join(map(str, idle['ranks']))} do nothing for it; drop it "
+            "from the layout, or give the data it is for"
+            for module, idle in plan.get("idle", {}).items()]
 
 
 class _JsonSteps:
@@ -417,6 +435,8 @@ def run_plan(args, config: PreprocessConfig) -> int:
         steps.write(result, plan, sys.stdout)
     else:
         print(format_plan(result, plan))
+    for text in idle_modules(plan):
+        print(f"mimo-inspect plan: WARNING {text}", file=sys.stderr)
     if not result["checks"]["ok"]:
         for problem in result["checks"]["problems"]:
             print(f"mimo-inspect plan: FAIL {problem}", file=sys.stderr)
