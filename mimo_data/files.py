@@ -17,13 +17,21 @@ import yaml
 
 
 def write_atomic(path: str, data: bytes) -> None:
-    """Write ``path`` so that readers see either the old file or the whole new one."""
+    """Write ``path`` so that readers see either the old file or the whole new one (a write
+    that fails, on a full disk say, leaves no temporary file)."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         os.fsync(directory)

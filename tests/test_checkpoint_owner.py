@@ -234,3 +234,29 @@ def test_a_run_never_renews_another_runs_claim(tmp_path, monkeypatch):
     assert checkpoint_owner._refreshed == 0.0
     checkpoint_owner.claim(str(tmp_path))                  # stale: taken over
     assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
+
+
+def test_a_claim_a_full_disk_refuses_is_said_and_leaves_no_file(tmp_path, monkeypatch, capsys):
+    """A claim whose write fails (a full disk): at start-up a CheckpointError naming the folder,
+    the claim and what to do, not a bare OSError; while training a warning line, the run going
+    on; neither leaves write_atomic's temporary file."""
+    import errno
+
+    from mimo_data import files
+
+    def full(fd):                    # where a full disk may first say so
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    checkpoint_owner.claim(str(tmp_path))
+    monkeypatch.setattr(files.os, "fsync", full)
+    monkeypatch.setattr(checkpoint_owner, "_refreshed", 0.0)       # its time to renew
+    checkpoint_owner.refresh(str(tmp_path))
+    assert capsys.readouterr().out == (f"mimo-train: warning: the run's claim {tmp_path / OWNER} "
+                                       "was not renewed (No space left on device)\n")
+    (tmp_path / OWNER).unlink()
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint_owner.claim(str(tmp_path))
+    assert str(refused.value) == (
+        f"checkpoint.dir {tmp_path}: the run's claim {OWNER} cannot be written there (No space "
+        "left on device): free space there (an incomplete step folder, one without "
+        "integrity.json, may go) or give another checkpoint.dir")
+    assert sorted(os.listdir(tmp_path)) == []

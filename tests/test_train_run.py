@@ -1792,7 +1792,7 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
     completed): the newest N complete checkpoints up to it stay, and whatever ``latest``
     names; older ones go, with the interrupted saves among them; later ones (another run's,
     or being written) stay."""
-    from mimo_train.components.checkpoint import prune
+    from mimo_train.components.checkpoint import Lineage, prune
 
     for step, complete in ((2, True), (4, False), (6, True), (8, True), (10, True),
                            (12, True)):
@@ -1815,6 +1815,35 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
             (other / f"step_{step:07d}" / "integrity.json").write_text("{}")
     (other / "latest").write_text("step_0000010")
     assert prune(str(other), 2, str(other / "step_0000010")) == []
+    # a run set back (latest) from step 7 to step 4, saving 6 and 8 under keep_last 2: the
+    # continuation's step 7 is neither one of its newest 2 nor deleted, and its own 6 stays
+    # (7 counted, the run's own 6 went)
+    back = tmp_path / "back"
+    for step in (2, 4, 6, 7, 8):
+        (back / f"step_{step:07d}").mkdir(parents=True)
+        (back / f"step_{step:07d}" / "integrity.json").write_text("{}")
+    (back / "latest").write_text("step_0000008")
+    deleted = prune(str(back), 2, str(back / "step_0000008"),
+                    Lineage("step_0000004", frozenset({"step_0000006", "step_0000008"})))
+    assert [os.path.basename(d) for d in deleted] == ["step_0000002", "step_0000004"]
+    assert sorted(p.name for p in back.glob("step_*")) == [
+        "step_0000006", "step_0000007", "step_0000008"]
+
+
+def test_a_run_set_back_names_the_later_step_folders(tmp_path, capsys):
+    """Resuming an earlier checkpoint than the folder's newest (``latest`` set back): the
+    later step folders are named at start-up, with what becomes of them."""
+    from mimo_train.components.checkpoint import Saver
+    for step in (2, 4, 6, 7):
+        (tmp_path / f"step_{step:07d}").mkdir()
+    Saver(str(tmp_path), asynchronous=False, keep_last=2, resumed=str(tmp_path / "step_0000004"))
+    assert capsys.readouterr().out == (
+        f"mimo-train: {tmp_path} holds step folders after step_0000004, which this run resumed: "
+        "step_0000006, step_0000007 (the run that went on from it, set back by latest): this "
+        "run writes its own over those it reaches, and checkpoint.keep_last neither counts nor "
+        "deletes the others\n")
+    Saver(str(tmp_path), asynchronous=False, keep_last=2, resumed=str(tmp_path / "step_0000007"))
+    assert capsys.readouterr().out == ""
 
 
 def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):

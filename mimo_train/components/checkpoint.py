@@ -41,7 +41,7 @@ import re
 import shutil
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -220,19 +220,33 @@ class Saver:
     ``latest``). Otherwise ``save`` writes and finalizes before it returns. One save is in
     flight at a time: the next waits for the previous."""
 
-    def __init__(self, root: str, asynchronous: bool, keep_last: int | None = None):
+    def __init__(self, root: str, asynchronous: bool, keep_last: int | None = None,
+                 resumed: str | None = None):
         """``keep_last``: once a save is complete, older checkpoints beyond the newest
-        ``keep_last`` are deleted (``prune``); None: all are kept."""
+        ``keep_last`` are deleted (``prune``); None: all are kept. ``resumed``: the step
+        directory the run resumed (step folders after it, a continuation set back from, are
+        said, and neither counted nor deleted by ``prune`` unless this run writes them)."""
         use_forked_write_results()
         self.root, self.keep_last = root, keep_last
         self.queue = AsyncCallsQueue() if asynchronous else None
         self.pending: list[str] = []       # directories being written, oldest first
+        self.resumed = os.path.basename(resumed) if resumed else None
+        self.written: set[str] = set()     # the step folders this run saved
+        later = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
+                       and name > self.resumed) if self.resumed else []
+        if later:
+            say(f"{PREFIX}{root} holds step folders after {self.resumed}, which this run "
+                f"resumed: {', '.join(later[:4])}{' ...' if len(later) > 4 else ''} (the run "
+                "that went on from it, set back by latest): this run writes its own over those "
+                "it reaches, and checkpoint.keep_last neither counts nor deletes the others")
 
     def save(self, step: int, state: TrainingState, meta: dict) -> str:
         """Start (or, synchronously, do) the save of ``state`` at ``step``; its directory."""
         self.wait()
         directory = step_dir(self.root, step)
-        request = _save_request(self.root, directory, step, state, meta, self.keep_last)
+        self.written.add(os.path.basename(directory))
+        request = _save_request(self.root, directory, step, state, meta, self.keep_last,
+                                Lineage(self.resumed, frozenset(self.written)))
         if self.queue is None:
             try:
                 request.execute_sync()
@@ -273,14 +287,28 @@ class Saver:
         return finished
 
 
-def prune(root: str, keep_last: int, current: str) -> list[str]:
+class Lineage(NamedTuple):
+    """The step folders that are a run's checkpoints: those up to the one it ``resumed``
+    (None: all) and those it ``written``."""
+    resumed: str | None = None
+    written: frozenset[str] = frozenset()
+
+    def holds(self, name: str) -> bool:
+        return self.resumed is None or name <= self.resumed or name in self.written
+
+
+def prune(root: str, keep_last: int, current: str,
+          lineage: Lineage | None = None) -> list[str]:
     """Delete the step directories of ``root`` older than its newest ``keep_last`` complete
-    checkpoints up to ``current`` (the one just completed, which ``latest`` names); never
-    ``current``, the one ``latest`` names, nor one after ``current`` (being written, or a
-    run's that resumed an earlier one). Rank 0, once ``latest`` is written; the deleted
-    directories."""
+    checkpoints up to ``current`` (the one just completed, which ``latest`` names), of the
+    run's ``lineage`` only (a continuation it was set back from is neither counted nor
+    deleted); never ``current``, the one ``latest`` names, nor one after ``current`` (being
+    written, or a run's that resumed an earlier one). Rank 0, once ``latest`` is written; the
+    deleted directories."""
     names = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name))
-    upto = [name for name in names if name <= os.path.basename(current)]
+    lineage = lineage or Lineage()
+    upto = [name for name in names if name <= os.path.basename(current)
+            and (lineage.holds(name) or name == os.path.basename(current))]
     complete = [name for name in upto if os.path.isfile(os.path.join(root, name, MANIFEST))]
     kept = set(complete[-keep_last:]) | {os.path.basename(current)}
     named = latest(root)
@@ -387,7 +415,7 @@ _NO_RESULTS = "results_queue should not be empty"
 
 
 def _save_request(root: str, directory: str, step: int, state: TrainingState, meta: dict,
-                  keep_last: int | None = None):
+                  keep_last: int | None = None, lineage: Lineage | None = None):
     """megatron-core's request for the save of ``state`` into ``directory`` (collective), its
     write extended by the writer's digests and its finalization by ``meta.json``, the manifest
     and ``latest`` (rank 0), in that order, then (``keep_last``) ``prune``."""
@@ -435,7 +463,7 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
                                   f"{LATEST} still names the previous one")
         if rank == 0 and keep_last:       # the others go on to the next collective
             try:
-                prune(root, keep_last, directory)
+                prune(root, keep_last, directory, lineage)
             except OSError as error:      # the checkpoint is complete: the run goes on
                 say(f"{PREFIX}checkpoint.keep_last {keep_last}: old checkpoints in {root} "
                     f"not deleted ({type(error).__name__}: {error})")

@@ -30,6 +30,7 @@ import time
 
 from mimo_data.files import write_atomic
 from mimo_train.errors import CheckpointError
+from mimo_train.runtime.console import PREFIX, say
 from mimo_train.runtime.launcher import start_ticks
 
 OWNER = ".mimo-run"
@@ -166,18 +167,30 @@ def writer(root: str) -> str | None:
 
 def claim(root: str) -> None:
     """Rank 0 at start-up: ``root`` claimed for this run; ``CheckpointError`` where the run
-    that claimed it still runs."""
+    that claimed it still runs, or where the claim cannot be written (a full disk)."""
     check(root)
-    _write(root, _this_run())
+    try:
+        _write(root, _this_run())
+    except OSError as error:
+        raise CheckpointError(f"checkpoint.dir {root}: the run's claim {OWNER} cannot be "
+                              f"written there ({error.strerror or error}): free space there "
+                              "(an incomplete step folder, one without integrity.json, may "
+                              "go) or give another checkpoint.dir") from None
 
 
 def refresh(root: str) -> None:
     """Rank 0 while training: the claim rewritten every ``REFRESH_S`` (what tells a run of
     another host that this one still goes)."""
+    global _refreshed
     if time.time() - _refreshed >= REFRESH_S:
         found = _read(root)
         if found is not None and _ours(found, _this_run()):
-            _write(root, found)
+            try:
+                _write(root, found)
+            except OSError as error:    # training goes on; the next save says what it meets
+                _refreshed = time.time()
+                say(f"{PREFIX}warning: the run's claim {os.path.join(root, OWNER)} was not "
+                    f"renewed ({error.strerror or error})")
 
 
 def release(root: str) -> None:

@@ -139,7 +139,8 @@ class Trainer:
                     checkpoint.unclaim(cfg.checkpoint.dir)
                 raise
         self.saver = checkpoint.Saver(cfg.checkpoint.dir, cfg.checkpoint.async_save,
-                                      cfg.checkpoint.keep_last) if cfg.checkpoint.dir else None
+                                      cfg.checkpoint.keep_last, resume) \
+            if cfg.checkpoint.dir else None
         if note := cfg.checkpoint.note():
             say(PREFIX + note)
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
