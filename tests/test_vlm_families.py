@@ -269,6 +269,21 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path, ca
     assert f"--base {other} holds another model than the run trained (" in err and \
         err.rstrip().endswith("would mix the two: give --base the model the run started "
                               "from"), err
+    # a base of the family whose config names a larger vocabulary (a bigger sibling): said
+    # as another model, not as an embedding short of rows
+    bigger = shutil.copytree(family["checkpoint"], tmp_path / "bigger")
+    config = json.loads((bigger / "config.json").read_text())
+    for section in (config, config.get("text_config") or {}):
+        if "vocab_size" in section:
+            section["vocab_size"] += 128
+    (bigger / "config.json").write_text(json.dumps(config))
+    assert main(["--checkpoint", str(moved), "--output", str(tmp_path / "m5"), "--base",
+                 str(bigger)]) == 1
+    err = capsys.readouterr().err
+    assert f"--base {bigger} holds another model than the run trained (its config's " \
+        "vocab_size " in err and err.rstrip().endswith(
+            "the export takes its config from there: give --base the model the run started "
+            "from"), err
     # another family's model as --base: said to be no move of the run's (its own paths are)
     alien = MODELS / "tiny-llava"
     code = main(["--checkpoint", str(moved), "--output", str(tmp_path / "m4"), "--base",

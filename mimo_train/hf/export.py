@@ -724,6 +724,15 @@ def _language_weights(plan, tokenizer, state: dict, directory: str,
                           "(model.pretrained), which is exported as one")
     rows = max(arch.vocab_size, len(tokenizer))
     embedding = state.get("embedding.word_embeddings.weight")
+    movable = plan.vlm is not None     # --base moves a whole VLM's folder, not a causal LM's
+    named = _base_named(pretrained, base_given) if movable else \
+        f"model.language.pretrained {pretrained}"
+    if embedding is not None and len(tokenizer) <= embedding.size(0) < arch.vocab_size:
+        raise ExportError(
+            f"{directory}: {named} holds another model than the run trained (its config's "
+            f"vocab_size {arch.vocab_size}, the run's embedding {embedding.size(0)} rows): the "
+            f"export takes its config from there: {_put_back(base_given, movable)}",
+            exit_code=1)
     if embedding is None or embedding.size(0) < rows:
         raise ExportError(f"{directory}: the language embedding has "
                           f"{None if embedding is None else embedding.size(0)} rows, fewer than "
@@ -731,10 +740,6 @@ def _language_weights(plan, tokenizer, state: dict, directory: str,
     try:
         return to_hf([state], arch, vocab_rows=rows), rows
     except KeyError as error:        # the config read now asks for weights the run never had
-        # --base moves a whole VLM's folder (its language model's too), not a causal LM's
-        movable = plan.vlm is not None
-        named = _base_named(pretrained, base_given) if movable else \
-            f"model.language.pretrained {pretrained}"
         raise ExportError(
             f"{directory}: the run's language weights have no {error}, which the config of "
             f"{named} ({arch.family}) calls for: that path holds another model than the run "
