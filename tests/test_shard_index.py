@@ -1571,6 +1571,18 @@ def test_a_tar_whose_keys_members_are_apart_is_said_to_be_so(corpus_photos, tmp_
                             "--workers", "0", "--no-progress")
     assert code == 2 and "apart.tar: each of its first 16 samples is one jpg member. If the " \
         "tar holds their other files further on, the members of one key are apart" in err, err
+    # such a tar after a good one: refused as the first is (each member was skipped alone,
+    # "KEY.jpg has no KEY.txt beside it", read as 40 records of 20 samples)
+    write_tar(tmp_path / "later" / "a.tar", {"0.jpg": photo, "0.txt": b"A photo."})
+    shutil.copy(tmp_path / "many" / "apart.tar", tmp_path / "later" / "b.tar")
+    write_tar(tmp_path / "later-split" / "a.tar", {"0.jpg": photo, "0.txt": b"A photo."})
+    shutil.copy(tmp_path / "src" / "apart.tar", tmp_path / "later-split" / "b.tar")
+    for folder, said in (("later", "b.tar: each of its first 16 samples is one jpg member"),
+                         ("later-split", "b.tar: the members of one key are apart (key '0' "
+                                         "comes back")):
+        code, _, err = cli_main(capsys, "index", tmp_path / folder, "--output",
+                                tmp_path / f"idx-{folder}", "--workers", "0", "--no-progress")
+        assert code == 2 and said in err and "tar -cf x.tar --sort=name" in err, err
     # tar cf x.tar *.json *.jpg: conversations whose <image> markers have no medium beside
     # them (each would be dropped), not taken for text-only conversations
     turns = json.dumps({"conversations": [{"from": "human", "value": "<image>\nWhat is it?"},
@@ -1716,6 +1728,21 @@ def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, t
         index([str(tmp_path / "labels")], str(tmp_path / "no-labels"),
               IndexOptions(workers=0, progress=False))
     assert "of members cls, jpg" in str(refused.value) and "here:" not in str(refused.value)
+    # conversations under keys with dots (x.0, x.1: one sample x to webdataset), which no
+    # option reads apart: the dots named, not the --*-member options
+    turns = json.dumps({"conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                          {"from": "gpt", "value": "A photo."}]})
+    (tmp_path / "talk").mkdir()
+    with webdataset.TarWriter(str(tmp_path / "talk" / "talk-000000.tar")) as writer:
+        for number, photo in enumerate(photos):
+            writer.write({"__key__": f"x.{number}", "jpg": photo, "json": turns})
+    with pytest.raises(IndexInputError) as refused:
+        index([str(tmp_path / "talk")], str(tmp_path / "no-talk"),
+              IndexOptions(workers=0, progress=False))
+    assert str(refused.value).endswith(
+        "its keys hold a dot (a member '0.json'): webdataset's key ends at the first dot of a "
+        "file name, so samples x.0 and x.1 are read as one sample x (no option reads them "
+        "apart): write the tar again with keys without dots"), refused.value
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         index([str(tmp_path / "src")], str(tmp_path / "idx"), IndexOptions(

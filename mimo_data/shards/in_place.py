@@ -50,7 +50,7 @@ from mimo_data.shards.records import RecordError
 from mimo_data.shards.stops import StrictStop
 from mimo_data.shards.tar_sources import (DETECT_SAMPLES, IndexInputError, IndexOptions,
                                           Source, open_tar, output_given_as_source, resolve,
-                                          say, tar_version)
+                                          members_apart, say, split_keys, tar_version)
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 from mimo_data.tally import FIRST_LOCATIONS, Tally
 
@@ -138,6 +138,7 @@ def index_shard(job: _Job) -> ShardResult:
         result = ShardResult(job.name)
         keys: set[str] = set()
         head: list[dict[str, bytes]] = []          # the first samples, for the layout's check
+        runs: dict[str, set[frozenset[str]]] = {}  # their keys' runs of members
         try:
             with open_tar(location, job.storage_options) as tar:
                 result.version = tar_version(tar, location)
@@ -145,8 +146,9 @@ def index_shard(job: _Job) -> ShardResult:
                     result.samples += 1
                     if job.first and len(head) < DETECT_SAMPLES:
                         head.append({suffix: m.data for suffix, m in sample.members.items()})
+                        runs.setdefault(sample.key, set()).add(frozenset(sample.members))
                         if len(head) == DETECT_SAMPLES:
-                            _check_layout(job, head)
+                            _check_layout(job, head, runs)
                     if sample.key in job.excluded:
                         result.skips.append((SPLIT_EXCLUDED, f"{job.name}:{sample.key}", "its "
                                              f"{job.name}/{sample.key} is in the Energon "
@@ -174,7 +176,7 @@ def index_shard(job: _Job) -> ShardResult:
         except NotATarError as exc:
             raise IndexInputError(f"{location}: {exc}") from None
         if job.first and len(head) < DETECT_SAMPLES:
-            _check_layout(job, head)
+            _check_layout(job, head, runs)
         if result.walked.truncated:
             cut = result.walked.cut_key
             result.skips.append(("truncated_tar", f"{job.name}:{cut}" if cut else job.name,
@@ -211,10 +213,16 @@ def _check_counts(source: Source, walked: dict[str, int]) -> None:
             "counts")
 
 
-def _check_layout(job: _Job, head: list[dict[str, bytes]]) -> None:
-    """IndexInputError where ``job``'s tar's first samples are of another layout than the one
-    detected from the first tar's (a conversation tar read as caption pairs would be skipped
-    whole, each sample without its caption)."""
+def _check_layout(job: _Job, head: list[dict[str, bytes]],
+                  runs: dict[str, set[frozenset[str]]]) -> None:
+    """IndexInputError where ``job``'s tar's first samples (``runs``: their keys' runs of
+    members) are of another layout than the one detected from the first tar's (a
+    conversation tar read as caption pairs would be skipped whole, each sample without its
+    caption), or show its members of one key apart (``members_apart``: each member would be
+    skipped alone), as the first tar's are checked."""
+    apart = members_apart(head, split_keys(runs), job.mapping.layout, job.mapping.json)
+    if apart:
+        raise IndexInputError(f"{storage.join(job.root, job.name)}: {apart}")
     found = detect(head, job.mapping.json)
     if found is not None and found != job.mapping.layout:
         raise IndexInputError(

@@ -424,9 +424,51 @@ def _head(root: str, names: list[str], storage_options: dict | None
             except NotATarError as exc:
                 raise IndexInputError(f"{storage.join(root, name)}: {exc}") from None
         if head:
-            return name, head, sorted(key for key, held in runs.items() if any(
-                not one & other for one in held for other in held if one is not other))
+            return name, head, split_keys(runs)
     return "", [], []
+
+
+def split_keys(runs: dict[str, set[frozenset[str]]]) -> list[str]:
+    """The keys whose runs of members (key -> the suffixes of each run) have none in common: a
+    tar whose members of one key are apart (a sample written twice, with a member more, say,
+    is a duplicate)."""
+    return sorted(key for key, held in runs.items() if any(
+        not one & other for one in held for other in held if one is not other))
+
+
+# how to write a tar whose members of one key are apart
+_REWRITE = ("webdataset reads a sample as one run of members, so each would be read as "
+            "several samples. Write the tar with each sample's files one after another (tar "
+            "-cf x.tar --sort=name -C FOLDER . , not tar cf x.tar *.jpg *.txt, which keeps the "
+            "order given), or with webdataset's ShardWriter")
+
+
+def members_apart(head: list[dict[str, bytes]], split: list[str], layout: str | None,
+                  json_member: str) -> str | None:
+    """Why a tar's first samples ``head`` (``split``: its keys whose runs share no member)
+    show its members of one key apart, for the ``layout`` read (None: none detected); None
+    where they do not. A tar of one member per sample is said so where the layout reads more:
+    conversations whose markers have no medium beside them, or lone members of one kind."""
+    lone = {suffix for members in head for suffix in members} \
+        if head and all(len(members) == 1 for members in head) else set()
+    if layout == "conversation" and lone == {json_member} and all(
+            any(marker.encode() in members[json_member] for marker in MARKERS.values())
+            for members in head):
+        # every one would be dropped: its markers have no medium to stand for
+        return (f"each of its first {len(head)} samples is a KEY.{json_member} conversation "
+                "with media markers and no medium beside it. If the tar holds the media "
+                "further on (tar cf x.tar *.json *.jpg), the members of one key are apart: "
+                f"{_REWRITE}")
+    if split:               # whatever the samples read whole say of the layout
+        return (f"the members of one key are apart (key {split[0]!r} comes back after other "
+                f"keys, with none of its members before): {_REWRITE}")
+    if layout in (None, "pairs") and len(lone) == 1:
+        suffix = lone.pop()
+        return (f"each of its first {len(head)} samples is one {suffix} member. If the tar "
+                "holds their other files further on, the members of one key are apart: "
+                f"{_REWRITE}. If it holds {suffix} files alone, nothing in it is a caption or "
+                "conversation to train on")
+    return None
 
 
 def _member_map(root: str, names: list[str], options: IndexOptions,
@@ -454,33 +496,9 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
                                   "and --media-member / --text-member name a caption pair's "
                                   "members: leave them out, or give --layout pairs")
         layout = detected or ("pairs" if pairs_options else "")
-        lone = {suffix for members in head for suffix in members} \
-            if all(len(members) == 1 for members in head) else set()
-        rewrite = ("webdataset reads a sample as one run of members, so each would be read "
-                   "as several samples. Write the tar with each sample's files one after "
-                   "another (tar -cf x.tar --sort=name -C FOLDER . , not tar cf x.tar "
-                   "*.jpg *.txt, which keeps the order given), or with webdataset's "
-                   "ShardWriter")
-        if layout == "conversation" and lone == {options.json_member} and all(
-                any(marker.encode() in members[options.json_member]
-                    for marker in MARKERS.values()) for members in head):
-            # every one would be dropped: its markers have no medium to stand for
-            raise IndexInputError(f"{storage.join(root, first)}: each of its first {len(head)} "
-                                  f"samples is a KEY.{options.json_member} conversation with "
-                                  "media markers and no medium beside it. If the tar holds "
-                                  "the media further on (tar cf x.tar *.json *.jpg), the "
-                                  f"members of one key are apart: {rewrite}")
-        if split:               # whatever the samples read whole say of the layout
-            raise IndexInputError(f"{storage.join(root, first)}: the members of one key are "
-                                  f"apart (key {split[0]!r} comes back after other keys, with "
-                                  f"none of its members before): {rewrite}")
-        if not layout and len(lone) == 1:
-            suffix = lone.pop()
-            raise IndexInputError(f"{storage.join(root, first)}: each of its first {len(head)} "
-                                  f"samples is one {suffix} member. If the tar holds their "
-                                  "other files further on, the members of one key are apart: "
-                                  f"{rewrite}. If it holds {suffix} files alone, nothing in it "
-                                  "is a caption or conversation to train on")
+        apart = members_apart(head, split, layout or None, options.json_member)
+        if apart:
+            raise IndexInputError(f"{storage.join(root, first)}: {apart}")
         if not layout:
             seen = sorted({suffix for members in head for suffix in members})
             # one medium beside one text member (KEY.caption, KEY.text): a pair, so named (not
@@ -490,13 +508,21 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
             pair = f" (here: --layout pairs --text-member {texts[0]})" \
                 if len(media) == 1 and len(texts) == 1 and \
                 texts[0].rpartition(".")[2].lower() in _CAPTION_SUFFIXES else ""
+            dotted = next((s for s in seen if s.endswith(f".{options.json_member}")), None)
             raise IndexInputError(f"{storage.join(root, first)}: its first samples, of members "
                                   f"{', '.join(seen[:12]) or 'none'} (after each key's first "
                                   "dot), are neither caption pairs (a medium beside KEY.txt), "
                                   f"conversations (KEY.{options.json_member} with "
                                   "conversations/messages) nor documents (texts + images "
-                                  "lists); give --layout and the --*-member options (pairs: "
-                                  "--media-member and --text-member name them as listed)" + pair)
+                                  "lists); " + (
+                                      f"its keys hold a dot (a member {dotted!r}): webdataset's "
+                                      "key ends at the first dot of a file name, so samples "
+                                      "x.0 and x.1 are read as one sample x (no option reads "
+                                      "them apart): write the tar again with keys without "
+                                      "dots" if dotted else
+                                      "give --layout and the --*-member options (pairs: "
+                                      "--media-member and --text-member name them as listed)"
+                                      + pair))
     if layout == "pairs":
         _check_pair_members(storage.join(root, first), head, [
             ("--media-member", options.media_member), ("--text-member", options.text_member)])
