@@ -605,6 +605,16 @@ def test_a_copy_of_a_dataset_given_beside_it_is_refused(tmp_path, loader_corpus)
         _check_no_copies(config([loader_corpus], [loader_corpus, copy]))
     assert str(refused.value) == f"data.valid {same}would count twice in the validation " \
         "loss; give it once"
+    # the loader's DataSource (the dry run's, mimo-inspect's, a user's own) refuses it alike,
+    # before its token tables (it drew each sample twice an epoch)
+    from mimo_data.loading.loader import DataSource
+    whole = shutil.copytree(loader_corpus, tmp_path / "whole")
+    with pytest.raises(ValueError) as refused:
+        DataSource([loader_corpus, whole], REPO / "configs" / "preprocess.yaml")
+    assert str(refused.value) == (
+        f"{loader_corpus} and {whole}, whose index.json are the same (a copy of one dataset) "
+        "given: each of its samples would be drawn twice an epoch; give it once (to draw from "
+        "it more often, weights)")
     # an index of one of its shards (read in place, say): that shard's samples twice
     index = json.loads((copy / "index.json").read_text())
     shard = index["shards"][1]

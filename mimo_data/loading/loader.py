@@ -62,7 +62,7 @@ import os
 import signal
 
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch.utils.data
@@ -82,7 +82,7 @@ from mimo_data.loading.sample_order import (DatasetShape, SampleOrder, TooFewSam
                                              micro_batch_slice, weights_fault)
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
-from mimo_data.shards.format import ShardRecord, record_origin
+from mimo_data.shards.format import INDEX_FILE, ShardRecord, record_origin
 from mimo_data.shards.index import remake
 from mimo_data.shards.reader import ShardReader
 from mimo_data.loading.tensor_pack import pack, unpack
@@ -191,6 +191,63 @@ def twice_said(directory: str, first: str) -> str:
     return f"{directory} twice" + (f" (first as {first})" if first != directory else "")
 
 
+class Copy(NamedTuple):
+    """Two datasets of one list that hold the same samples (``held_twice``): which and why,
+    the samples held twice, what to do; ``whole``: one dataset copied (weights draw from it
+    more often)."""
+    which: str
+    samples: str
+    remedy: str
+    whole: bool
+
+
+def held_twice(indexes: list[tuple[str, bytes, Any]]) -> Copy | None:
+    """The first two of ``indexes`` (each a dataset directory, its index.json's sha256 and
+    the index parsed) whose index.json are the same bytes (a copy of one dataset, or one
+    rebuilt alike), or that hold one shard (the same bytes, by its hash in each index: two
+    indexes of the same tars read in place, say), read alike: its samples would be drawn
+    twice an epoch, whatever the paths. None where there are none."""
+    seen: dict[bytes, str] = {}
+    # a shard's sha256 -> how each dataset holding it reads it, the dataset, its name there
+    shards: dict[str, list[tuple[str, str, str]]] = {}
+    for directory, digest, index in indexes if len(indexes) > 1 else ():
+        if digest in seen:
+            return Copy(f"{seen[digest]} and {directory}, whose {INDEX_FILE} are the same (a "
+                        "copy of one dataset)", "each of its samples", "give it once", True)
+        seen[digest] = directory
+        held, reading = _shards_of(index)
+        for shard in held:
+            earlier = shards.setdefault(shard["sha256"], [])
+            # the same samples: read alike, or one of them a built dataset's whole samples
+            same = [(other, name) for how, other, name in earlier if other != directory
+                    and (how == reading or "" in (how, reading))]
+            if same:
+                other, name = same[0]
+                return Copy(f"{other} and {directory}, which both hold shard {name}" + (
+                    f" (as {shard['name']} in {directory})" if shard["name"] != name else "")
+                    + " (the same bytes: two indexes of the same tars, or a copy)",
+                    f"its {shard['samples']} samples", "give each shard in one dataset "
+                    "(mimo-shard index takes a list of tars)", False)
+            earlier.append((reading, directory, shard["name"]))
+    return None
+
+
+def _shards_of(index: Any) -> tuple[list[dict], str]:
+    """An index's shards that hold samples, each with its sha256 (an index of another shape
+    is said by the dataset's own opening), and how its samples are read of them: a built
+    dataset's tars hold its samples whole (""); an index of tars read in place reads them by
+    the members its build records (its layout, which member is what), so that two indexes
+    reading one tar otherwise (its short and its long captions) hold other samples."""
+    if not isinstance(index, dict):
+        return [], ""
+    listed = index.get("shards")
+    reading = "" if "shard_root" not in index else json.dumps(
+        (index.get("build") or {}).get("members"), sort_keys=True)
+    return ([shard for shard in listed if isinstance(shard, dict) and shard.get("samples") and
+             isinstance(shard.get("sha256"), str) and isinstance(shard.get("name"), str)]
+            if isinstance(listed, list) else []), reading
+
+
 class DataSource:
     """The datasets of a run, opened once per process: readers (memory-mapped sample tables),
     the metadata-only Preprocessor, token tables (kept samples, token counts) with their drop
@@ -233,6 +290,14 @@ class DataSource:
                 if partition is None or (
                         partition.rank == 0 if reader.shard_remote else partition.writes):
                     reader.check_shards()
+            copy = held_twice([(reader.directory, reader.index_digest, reader.index)
+                               for reader, weight in zip(readers, self.weights or
+                                                         [1.0] * len(readers)) if weight > 0])
+            if copy is not None:
+                raise ValueError(f"{copy.which} given: {copy.samples} would be drawn twice "
+                                 f"an epoch; {copy.remedy}" + (
+                                     " (to draw from it more often, weights)" if copy.whole
+                                     else ""))
             return readers, Preprocessor(self.config, with_media=False, text=text)
         opened: tuple[list[ShardReader], Preprocessor] = (
             open_readers() if partition is None else partition.together(open_readers))

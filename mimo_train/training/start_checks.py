@@ -12,7 +12,8 @@ import os
 import torch.distributed as dist
 
 from mimo_data.loading.layout import Layout, LayoutError
-from mimo_data.loading.loader import given_twice, twice_said, variable_token_modalities
+from mimo_data.loading.loader import (given_twice, held_twice, twice_said,
+                                      variable_token_modalities)
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
 from mimo_data.shards.cache import environment_cache
@@ -111,67 +112,33 @@ def _uneven_nodes() -> str:
 
 
 def _check_no_copies(cfg: TrainConfig) -> None:
-    """``TrainConfigError`` for two directories of one list whose index.json are the same
-    bytes (a copy of one dataset, or one rebuilt alike), or that hold one shard (the same
-    bytes, by its hash in each index: two indexes of the same tars read in place, say): its
-    samples would train (or count) twice an epoch, whatever the paths. A dataset of weight 0
-    draws nothing: not compared."""
+    """``TrainConfigError`` for two directories of one list that hold the same samples
+    (``held_twice``: a copy of one dataset, two indexes of the same tars): its samples would
+    train (or count) twice an epoch, whatever the paths. A dataset of weight 0 draws nothing:
+    not compared."""
     weights = cfg.data.weights or [1.0] * len(cfg.data.datasets)
     drawn = [d for d, weight in zip(cfg.data.datasets, weights) if weight > 0]
     for key, directories in (("data.datasets", drawn), ("data.valid", cfg.data.valid)):
-        seen: dict[bytes, str] = {}
-        # a shard's sha256 -> how each dataset holding it reads it, the dataset, its name there
-        shards: dict[str, list[tuple[str, str, str]]] = {}
-        twice = ("would train twice an epoch" if key == "data.datasets" else
-                 "would count twice in the validation loss")
+        indexes = []
         for directory in directories if len(directories) > 1 else ():
             index = storage.join(directory, INDEX_FILE)
             try:
                 data = storage.read_bytes(index, cfg.data.storage_options)
             except OSError as exc:                  # storage's errors too
                 raise TrainConfigError(f"{key}: cannot read {index}: {exc}") from None
-            digest = hashlib.sha256(data).digest()
-            if digest in seen:
-                raise TrainConfigError(
-                    f"{key} gives {seen[digest]} and {directory}, whose {INDEX_FILE} are the "
-                    f"same (a copy of one dataset): each of its samples {twice}; give it once" +
-                    (", and to draw from it more often, data.weights"
-                     if key == "data.datasets" else ""))
-            seen[digest] = directory
-            held_shards, reading = _shards_of(data)
-            for shard in held_shards:
-                earlier = shards.setdefault(shard["sha256"], [])
-                # the same samples: read alike, or one of them a built dataset's whole samples
-                same = [(other, name) for how, other, name in earlier if other != directory
-                        and (how == reading or "" in (how, reading))]
-                if same:
-                    other, name = same[0]
-                    raise TrainConfigError(
-                        f"{key} gives {other} and {directory}, which both hold shard "
-                        f"{name}" + (f" (as {shard['name']} in {directory})"
-                                     if shard["name"] != name else "") +
-                        f" (the same bytes: two indexes of the same tars, or a copy): its "
-                        f"{shard['samples']} samples {twice}; give each shard in one dataset "
-                        "(mimo-shard index takes a list of tars)")
-                earlier.append((reading, directory, shard["name"]))
-
-
-def _shards_of(index: bytes) -> tuple[list[dict], str]:
-    """An index.json's shards that hold samples, each with its sha256 (an index that does
-    not parse is said by the dataset's own opening), and how its samples are read of them:
-    a built dataset's tars hold its samples whole (""); an index of tars read in place reads
-    them by the members its build records (its layout, which member is what), so that two
-    indexes reading one tar otherwise (its short and its long captions) hold other samples."""
-    try:
-        found = json.loads(index)
-        listed = found.get("shards")
-        reading = "" if "shard_root" not in found else json.dumps(
-            (found.get("build") or {}).get("members"), sort_keys=True)
-    except (ValueError, AttributeError):
-        return [], ""
-    return ([shard for shard in listed if isinstance(shard, dict) and shard.get("samples") and
-             isinstance(shard.get("sha256"), str) and isinstance(shard.get("name"), str)]
-            if isinstance(listed, list) else []), reading
+            try:
+                parsed = json.loads(data)
+            except ValueError:      # said by the dataset's own opening
+                parsed = None
+            indexes.append((directory, hashlib.sha256(data).digest(), parsed))
+        copy = held_twice(indexes)
+        if copy is not None:
+            raise TrainConfigError(
+                f"{key} gives {copy.which}: {copy.samples} " + (
+                    "would train twice an epoch" if key == "data.datasets" else
+                    "would count twice in the validation loss") + f"; {copy.remedy}" + (
+                    ", and to draw from it more often, data.weights"
+                    if copy.whole and key == "data.datasets" else ""))
 
 
 def _check_each_once(cfg: TrainConfig) -> None:
