@@ -574,6 +574,8 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
         # an empty file, whose length manifest writers give as 0: said by its probe
         {"id": "empty", "audio_filepath": "empty.wav", "duration": 0.0, "text": "none"},
         {"id": "zero", "audio_filepath": clip, "duration": 0, "text": "unknown length"},
+        # a transcript holding a marker: said of the transcript, not of turns it has not
+        {"id": "marker", "audio_filepath": clip, "duration": seconds, "text": "an <audio> tag"},
     ]
     (tmp_path / "empty.wav").write_bytes(b"")
     # a .json manifest is known as JSONL by its first line: only a .jsonl may start broken
@@ -606,6 +608,9 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
         "key? rename it)" in named, named
     assert [location for location, _ in skipped.pop("malformed_json", [])] == (
         [f"{path}:1"] if broken else [])
+    assert skipped.pop("marker_mismatch") == [(
+        f"{path}:{first + 9}", "the transcript ('text') holds <audio>, which marks a medium's "
+        "place: reword it (a transcript is the answer the model writes)")]
     assert skipped == {}
 
 

@@ -549,6 +549,11 @@ class SpeechManifest:
                                          math.isfinite(duration) and duration >= 0):
             raise RecordError("malformed_record", f"'duration' of {audio} is {duration!r}: give "
                               "the clip's length in seconds, or leave the field out")
+        typed = [marker for marker in MARKERS.values() if marker in text]
+        if typed:           # the markers check would speak of turns the line does not have
+            raise RecordError("marker_mismatch", f"the transcript ('text') holds {typed[0]}, "
+                              "which marks a medium's place: reword it (a transcript is the "
+                              "answer the model writes)")
         turns = [{"role": "user", "content": f"<audio>\n{self.instruction}"},
                  {"role": "assistant", "content": text}]
         return RawRecord(id=_record_id(record.get("id")), turns=turns, media={"audio": [audio]},
