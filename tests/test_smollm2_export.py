@@ -569,7 +569,11 @@ def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys, tmp
                            f"{value}: it must be a finite number > 0") for value in ("0.0", "nan",
                                                                                    "inf")),
                         *((["--prompt", "Hi", "--frames-fps", value], f"--frames-fps is {value}: "
-                           "frames are taken 0.01 to 1000 a second") for value in ("0", "nan"))):
+                           "frames are taken 0.01 to 1000 a second") for value in ("0", "nan")),
+                        # a rate of no folder of frames (a video file's is its own): refused,
+                        # not silently unused
+                        (["--prompt", "Hi", "--frames-fps", "4"], "--frames-fps is the rate of "
+                         "a --video folder of JPEG frames, and no --video given is one")):
         with pytest.raises(SystemExit) as exit_:
             main(["--model", str(smollm2.export), *flags])
         assert exit_.value.code == 2 and said in capsys.readouterr().err, flags
@@ -587,6 +591,33 @@ def test_an_image_fills_its_placeholders_and_changes_the_answer(generator, asset
     assert text_only.spliced == {} and image_id not in text_only.prompt_ids
     print(f"with the image: {with_image.text!r}; without: {text_only.text!r}")
     assert text_only.token_ids != with_image.token_ids
+
+
+def test_a_system_turn_one_path_and_a_long_prompt_are_taken_as_said(generator, assets,
+                                                                      capsys):
+    """``system`` (``--system``): the template's system turn before the prompt, as
+    transformers renders it (SmolLM2's default one replaced); one path given as a string is
+    one file (it was read as a list of its characters); ``top_p`` without ``temperature``
+    refused as the command line refuses it; a prompt past the model's positions said so."""
+    from mimo_train.errors import GenerateError
+    turns = [{"role": "system", "content": "You answer in French."},
+             {"role": "user", "content": "Hi"}]
+    ids = generator.tokenizer.apply_chat_template(turns, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)
+    said = generator.generate("Hi", system="You answer in French.", max_new_tokens=1)
+    assert said.prompt_ids == list(ids)
+    assert generator.generate("Hi", max_new_tokens=1).prompt_ids != said.prompt_ids
+    one = generator.generate("Describe the image.", images=str(assets["jpeg"]),
+                             max_new_tokens=1)
+    assert one.spliced == {"image": IMAGE_TOKENS}
+    with pytest.raises(GenerateError, match="top_p 0.5 goes with temperature"):
+        generator.generate("Hi", top_p=0.5)
+    positions = generator.language.config.max_position_embeddings
+    capsys.readouterr()
+    generator._say_longer(positions - 1, 2)
+    assert capsys.readouterr().err.endswith(
+        f", and past {positions}, the positions its config.json gives "
+        "(max_position_embeddings), outside what its architecture was made for\n")
 
 
 def test_audio_fills_its_placeholders(generator, assets):

@@ -36,7 +36,7 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mimo_data.arguments import SEED, user_path
 from mimo_data.hub import cache_only
@@ -45,6 +45,9 @@ from mimo_train.hf.export import MANIFEST
 from mimo_train.checkpoint_folders import LATEST, META
 from mimo_train.errors import GenerateError
 from mimo_train.runtime import console
+
+if TYPE_CHECKING:
+    from mimo_data.shards.format import Message
 
 PREFIX = "mimo-generate: "
 _MARKER = re.compile(r"<(image|video|audio)>")
@@ -95,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
                         "of its frames in the order of their numbers")
     parser.add_argument("--audio", type=user_path, action="append", default=[], metavar="PATH",
                         help="an audio file (repeatable, in marker order)")
+    parser.add_argument("--system", metavar="TEXT",
+                        help="a system turn before the prompt, as the model's chat template "
+                        "renders one (a model fine-tuned with a system prompt: the same text)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="most tokens to generate (default 64)")
     parser.add_argument("--temperature", type=float, metavar="T",
@@ -144,6 +150,11 @@ def main(argv=None) -> int:
         if not MIN_FPS <= args.frames_fps <= MAX_FPS:
             parser.error(f"--frames-fps is {args.frames_fps:g}: frames are taken {MIN_FPS:g} "
                          f"to {MAX_FPS:g} a second")
+        if not any(os.path.isdir(video) for video in args.video):
+            parser.error("--frames-fps is the rate of a --video folder of JPEG frames, and no "
+                         "--video given is one: a video file's frames are sampled as "
+                         "training samples them (modalities.video.fps of its preprocessing); "
+                         "leave --frames-fps out")
     if args.prompt_file is not None:
         args.prompt = _prompt_of(args.prompt_file, parser)
     console.quiet_third_party()
@@ -155,7 +166,7 @@ def main(argv=None) -> int:
                                     temperature=args.temperature,
                                     top_p=1.0 if args.top_p is None else args.top_p,
                                     seed=args.seed or 0, thinking=not args.no_thinking,
-                                    frames_fps=args.frames_fps)
+                                    frames_fps=args.frames_fps, system=args.system)
     except GenerateError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
@@ -298,12 +309,20 @@ class Generator:
     def generate(self, prompt: str, images: Sequence[str] = (), audios: Sequence[str] = (),
                  max_new_tokens: int = 64, temperature: float | None = None,
                  top_p: float = 1.0, seed: int = 0, videos: Sequence[str] = (),
-                 thinking: bool = True, frames_fps: float | None = None) -> Generation:
-        """Answer ``prompt`` about the ``images``, ``videos`` and ``audios`` (file paths; a
-        video a folder of frames taken ``frames_fps`` a second);
-        ``thinking=False``: the template's ``enable_thinking`` false (its default otherwise)."""
+                 thinking: bool = True, frames_fps: float | None = None,
+                 system: str | None = None) -> Generation:
+        """Answer ``prompt`` about the ``images``, ``videos`` and ``audios`` (file paths, or
+        one path; a video a folder of frames taken ``frames_fps`` a second), after a
+        ``system`` turn where one is given; ``temperature`` samples (``top_p`` with it),
+        else decoding is greedy; ``thinking=False``: the template's ``enable_thinking`` false
+        (its default otherwise)."""
         import torch
-        files = {"image": list(images), "video": list(videos), "audio": list(audios)}
+        if temperature is None and top_p != 1.0:
+            raise GenerateError(f"top_p {top_p} goes with temperature: without it decoding is "
+                                "greedy, which draws nothing")
+        files = {modality: [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+                 for modality, paths in (("image", images), ("video", videos),
+                                         ("audio", audios))}
         has = ", ".join(sorted(self.encoders)) or "none"
         for modality, paths in files.items():
             if paths and modality not in self.encoders:
@@ -322,7 +341,7 @@ class Generator:
                   file=sys.stderr)
         built, items = self._prompt(content, order, files,
                                     None if thinking else {"enable_thinking": False},
-                                    frames_fps)
+                                    frames_fps, system)
         ids = built.input_ids.to(self.device)
         self._say_longer(len(ids), max_new_tokens)
         sampling: dict[str, Any] = dict(
@@ -413,11 +432,18 @@ class Generator:
         """A line on stderr where the prompt and its answer may run past the longest sequence
         the model trained on (``seq_length``): past it, what it answers is untested."""
         trained = self.preprocessor.config.seq_length
+        config = (self.vlm if self.vlm is not None else self.language).config
+        positions = getattr(getattr(config, "text_config", None) or config,
+                            "max_position_embeddings", None)
         if prompt + new > trained:
             print(f"mimo-generate: the prompt is {prompt} tokens (media included), up to "
                   f"{prompt + new} with --max-new-tokens {new}; the model trained on sequences "
                   f"of at most {trained} (seq_length in its preprocess.yaml): answers past that "
-                  "length are outside what it learned", file=sys.stderr)
+                  "length are outside what it learned" + (
+                      f", and past {positions}, the positions its config.json gives "
+                      "(max_position_embeddings), outside what its architecture was made for"
+                      if isinstance(positions, int) and prompt + new > positions else ""),
+                  file=sys.stderr)
 
     def _say_cut(self, modality: str, path: str, item) -> None:
         """A line on stderr where the model hears only the start of a clip: one longer than
@@ -431,7 +457,8 @@ class Generator:
                   "truncate)", file=sys.stderr)
 
     def _prompt(self, content: str, order: list[str], files: dict,
-                template_options: dict | None = None, frames_fps: float | None = None):
+                template_options: dict | None = None, frames_fps: float | None = None,
+                system: str | None = None):
         from mimo_data.modalities import MediaError
         from mimo_data.preprocess.chat_tokens import TextError
         from mimo_data.modalities.image import still_image, video_or_audio
@@ -473,8 +500,11 @@ class Generator:
                                     exit_code=1) from None
             seen[modality] += 1
         try:
-            return (self.preprocessor.prompt([{"role": "user", "content": content}], media,
-                                             template_options), [item for item, _ in media])
+            turns: list[Message] = [{"role": "user", "content": content}]
+            if system is not None:
+                turns.insert(0, {"role": "system", "content": system})
+            return (self.preprocessor.prompt(turns, media, template_options),
+                    [item for item, _ in media])
         except SampleDropped as error:       # named by the user's paths, not the members'
             detail = re.sub("|".join(rf"\b{re.escape(member)}\b" for member in paths),
                             lambda found: paths[found[0]], error.detail) if paths else \
