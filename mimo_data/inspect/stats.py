@@ -300,6 +300,7 @@ class SampleInspector:
         for piece in pieces:
             starts.append(starts[-1] + len(piece))
         text, cursor = "".join(pieces), 0
+        media = [run.span() for run in _MEDIA_RUN.finditer(text)]     # with their wrap tokens
         # the first token is no one's target: a document's first word is never trained
         first = len(self._decoder.decode(ids[:1].tolist(), skip_special_tokens=False)
                     ) if kinds and kinds[0] != 2 else 0
@@ -312,25 +313,22 @@ class SampleInspector:
                 _PLACEHOLDER, str(message.get("content", "")))).strip()
             names = _call_words(message)
             if not content.replace(_PLACEHOLDER, "").strip() and not names:
-                # media alone (a caption's image, a document's): passed, so that a text after
-                # them is not found in their wrap tokens ("end" in <|vision_end|>)
-                if content and (media := _spread(content).search(text, cursor)):
-                    cursor = media.end()
                 continue
-            header = _locate(text, headers[turn], cursor) if headers and headers[turn] else None
+            header = _locate(text, headers[turn], cursor, media) \
+                if headers and headers[turn] else None
             kept = written.get(turn) if written else None
             if kept is not None and in_loss(message) and THINK_END in content:
                 self._unwritten(stats, turn, content, kept, reasons)
             for piece in written_parts(content, written, turn):
                 if not piece.replace(_PLACEHOLDER, "").strip():
                     continue
-                found = (header and _locate(text, piece, max(header[1], cursor))) or \
-                    _locate(text, piece, cursor)
+                found = (header and _locate(text, piece, max(header[1], cursor), media)) or \
+                    _locate(text, piece, cursor, media)
                 cursor = self._judge(stats, turn, role, in_loss(message), piece, found,
                                      text, pieces, starts, kinds, first) or cursor
             wrong, total = 0, 0      # the calls' words: one count, one problem a turn
             for word in names:
-                found = _locate(text, word, cursor)
+                found = _locate(text, word, cursor, media)
                 total += _visible(word)
                 if found is None:
                     wrong += _visible(word)
@@ -465,23 +463,31 @@ class Found(NamedTuple):
     media: tuple[tuple[int, int], ...] = ()
 
 
-def _locate(text: str, content: str, start: int) -> Found | None:
+def _locate(text: str, content: str, start: int,
+            media: Sequence[tuple[int, int]] = ()) -> Found | None:
     """Where ``content`` is in ``text`` from ``start``; whitespace may differ (tokenizers that
     do not decode it back exactly), and a medium's placeholder may stand between the tokens
-    the template writes around it (``_ITEM``); None when absent."""
+    the template writes around it (``_ITEM``); None when absent. A match begun inside one of
+    the ``media`` runs (its wrap tokens: a caption "end" in <|vision_end|>) is none: the text
+    is searched again after the run."""
+    while (found := _find(text, content, start)) is not None:
+        run = next((end for begin, end in media if begin < found.start < end), None)
+        if run is None:
+            return found
+        start = run
+    return None
+
+
+def _find(text: str, content: str, start: int) -> Found | None:
+    """``_locate``'s first match, wherever it begins."""
     found = text.find(content, start)
     if found >= 0:
         return Found(found, found + len(content))
-    match = _spread(content).search(text, start)
+    match = re.compile(r"\s*".join(
+        re.escape(word).replace(re.escape(_PLACEHOLDER), f"({_ITEM})")
+        for word in content.split())).search(text, start)
     return Found(*match.span(), tuple(match.span(g) for g in range(1, len(match.groups()) + 1))
                  ) if match else None
-
-
-def _spread(content: str) -> re.Pattern:
-    """``content`` as a pattern of the decoded text: whitespace may differ, and each medium's
-    placeholder holds the tokens written around it (``_ITEM``, a group each)."""
-    return re.compile(r"\s*".join(re.escape(word).replace(re.escape(_PLACEHOLDER), f"({_ITEM})")
-                                  for word in content.split()))
 
 
 # A medium's placeholders in the decoded text with the tokens written around them: its wrap
@@ -491,3 +497,4 @@ def _spread(content: str) -> re.Pattern:
 # the text would otherwise try every split of every video's frames between its markers
 _WRAP = r"(?:<[^<>\x00\n]{1,40}>)*+"
 _ITEM = rf"(?<![>\x00]){_WRAP}\x00(?:{_WRAP}\x00)*+{_WRAP}"
+_MEDIA_RUN = re.compile(_ITEM)
