@@ -250,6 +250,7 @@ def test_a_claim_a_full_disk_refuses_is_said_and_leaves_no_file(tmp_path, monkey
     monkeypatch.setattr(files.os, "fsync", full)
     monkeypatch.setattr(checkpoint_owner, "_refreshed", 0.0)       # its time to renew
     checkpoint_owner.refresh(str(tmp_path))
+    checkpoint_owner.refresh(str(tmp_path))                 # said once, not every step
     assert capsys.readouterr().out == (f"mimo-train: warning: the run's claim {tmp_path / OWNER} "
                                        "was not renewed (No space left on device)\n")
     (tmp_path / OWNER).unlink()
@@ -259,4 +260,11 @@ def test_a_claim_a_full_disk_refuses_is_said_and_leaves_no_file(tmp_path, monkey
         f"checkpoint.dir {tmp_path}: the run's claim {OWNER} cannot be written there (No space "
         "left on device): free space there (an incomplete step folder, one without "
         "integrity.json, may go) or give another checkpoint.dir")
+    assert sorted(os.listdir(tmp_path)) == []
+
+    def stopped(fd):                 # Ctrl-C in the middle of a write
+        raise KeyboardInterrupt
+    monkeypatch.setattr(files.os, "fsync", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        files.write_atomic(str(tmp_path / "latest"), b"step_0000002")
     assert sorted(os.listdir(tmp_path)) == []

@@ -287,10 +287,11 @@ def test_a_mixture_whose_experts_or_top_k_megatron_would_change_is_refused(tmp_p
     from mimo_train.families.registry import language_arch
     folder = model_dir("published/Qwen--Qwen3.5-35B-A3B")
     arch, held = language_arch(str(folder)), CheckpointWeights(str(folder))
-    fused = f"{arch.prefix}layers.1.mlp.experts.down_proj"
-    assert held.shape(fused)[0] == arch.experts
-    for count in (arch.experts + 2, arch.experts - 2):
-        def read(name: str, count: int = count) -> torch.Tensor:
+    for fused, count in ((f"{arch.prefix}layers.1.mlp.experts.{name}", arch.experts + change)
+                         for name in ("gate_up_proj", "down_proj") for change in (2, -2)):
+        assert held.shape(fused)[0] == arch.experts
+
+        def read(name: str, count: int = count, fused: str = fused) -> torch.Tensor:
             whole = held(name)
             return whole.repeat(2, 1, 1)[:count] if name == fused else whole
         for experts in (None, range(arch.experts // 2)):        # all of them; ep2's first

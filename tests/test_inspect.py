@@ -1197,11 +1197,11 @@ def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
     assert code == 2 and "INVALID" in out and "colocated module 'image'" in err
 
 
-def test_plan_text_summary(capsys, clean, configs):
+def test_plan_text_summary(capsys, clean, configs, single_image):
     code, out, _ = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
                        "language=dp2;image=dp1;audio=dp1", "--global-batch-size", "8",
                        "--micro-batch-size", "2")
-    assert code == 0
+    assert code == 0 and "\nidle " not in out
     samples = len(ShardReader(str(clean)))
     assert f"{samples // 8} steps x 2 global micro-batches of 4 samples" in out
     assert f"remainder drop: {samples % 8} samples" in out
@@ -1223,6 +1223,14 @@ def test_plan_text_summary(capsys, clean, configs):
     mean = float(re.search(r"^\s+0\s+language.*?\s(\d+\.\d)\s+\d+\s+\d+\.\d", out,
                            re.M).group(1))
     assert out.count(f"(holds 1/2 of each sequence: ~{mean / 2:.1f} tokens/step)") == 2
+    # an encoder module no sample feeds: its idle line after the checks
+    code, out, _ = run(capsys, "plan", single_image, "--config", configs["fixed"], "--layout",
+                       "language=dp1;image=dp2;audio=dp1", "--global-batch-size", "8",
+                       "--micro-batch-size", "2")
+    assert code == 0 and out.rstrip().endswith(
+        "\nidle      module 'audio' gets no item this epoch (the data holds no audio): its "
+        "weights would not train and its rank(s) 3 do nothing for it; drop it from the "
+        "layout, or give the data it is for"), out
 
 
 PACKING_PLAN = ("--layout", "language=dp2;image=dp1;audio=dp1", "--global-batch-size", "8",

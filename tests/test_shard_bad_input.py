@@ -1060,6 +1060,13 @@ def test_media_urls_are_counted_as_not_downloaded(capsys, tmp_path, assets, good
         for near, name, how in zip(held, given, (
             "its Unicode normalization (NFC and NFD: macOS and its zip files write names "
             "decomposed)", "white space around it", "letter case"))], details
+    # a folder of more names than are read for one alike: "not found" alone
+    from mimo_data import files
+    files._names_alike.cache_clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(files, "_MAX_NAMES_ALIKE", 2)
+        assert files.not_found(str(tmp_path / "alike" / "astronaut.jpg")) == "not found"
+    files._names_alike.cache_clear()
 
 
 # ----------------------------------------------------------------------------------- strict

@@ -1583,6 +1583,12 @@ def test_a_tar_whose_keys_members_are_apart_is_said_to_be_so(corpus_photos, tmp_
         code, _, err = cli_main(capsys, "index", tmp_path / folder, "--output",
                                 tmp_path / f"idx-{folder}", "--workers", "0", "--no-progress")
         assert code == 2 and said in err and "tar -cf x.tar --sort=name" in err, err
+    # ... but a short later tar's one sample without its caption is that sample's skip
+    write_tar(tmp_path / "short" / "a.tar", {"0.jpg": photo, "0.txt": b"A photo."})
+    write_tar(tmp_path / "short" / "b.tar", {"9.jpg": photo})
+    code, _, err = cli_main(capsys, "index", tmp_path / "short", "--output",
+                            tmp_path / "idx-short", "--workers", "0", "--no-progress")
+    assert code == 0 and "1 record skipped (missing_text 1)" in err, err
     # tar cf x.tar *.json *.jpg: conversations whose <image> markers have no medium beside
     # them (each would be dropped), not taken for text-only conversations
     turns = json.dumps({"conversations": [{"from": "human", "value": "<image>\nWhat is it?"},
@@ -1743,6 +1749,16 @@ def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, t
         "its keys hold a dot (a member '0.json'): webdataset's key ends at the first dot of a "
         "file name, so samples x.0 and x.1 are read as one sample x (no option reads them "
         "apart): write the tar again with keys without dots"), refused.value
+    # one JSON member named otherwise (KEY.conv.json, its key without a dot): its option said
+    (tmp_path / "conv").mkdir()
+    with webdataset.TarWriter(str(tmp_path / "conv" / "conv-000000.tar")) as writer:
+        for number, photo in enumerate(photos):
+            writer.write({"__key__": f"x{number}", "jpg": photo, "conv.json": turns})
+    with pytest.raises(IndexInputError) as refused:
+        index([str(tmp_path / "conv")], str(tmp_path / "no-conv"),
+              IndexOptions(workers=0, progress=False))
+    assert str(refused.value).endswith("(here, where it is a conversation: --layout "
+                                       "conversation --json-member conv.json)"), refused.value
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         index([str(tmp_path / "src")], str(tmp_path / "idx"), IndexOptions(

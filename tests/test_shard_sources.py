@@ -733,8 +733,9 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     # records pretty-printed one after another (jq without -c): one refusal saying so, with
     # the command that writes them a line each, not a skip per line nor jq -c '.[]'
     pretty = "\n".join(json.dumps(record, indent=2) for record in good_records[:2])
-    for suffix in (".json", ".jsonl"):
-        (tmp_path / f"pretty{suffix}").write_text(pretty + "\n")
+    for suffix in (".json", ".jsonl", ".bom.jsonl"):          # Notepad's BOM before the '{'
+        (tmp_path / f"pretty{suffix}").write_text(("\ufeff" if "bom" in suffix else "") +
+                                                  pretty + "\n")
         code, _, err = cli_main(capsys, "build", tmp_path / f"pretty{suffix}", "-o",
                                 tmp_path / "no", "--no-progress")
         assert code == 2 and "written over several lines (pretty-printed; jq without -c)" in \
@@ -754,9 +755,22 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     (tmp_path / "train.tsv").write_text("client_id\tpath\tsentence\nabc\ta.mp3\tHi.\n")
     code, _, err = cli_main(capsys, "build", tmp_path / "train.tsv", "-o", tmp_path / "no",
                             "--no-progress")
-    assert code == 2 and "reads no .tsv file (Common Voice's TSV, LibriSpeech's trans.txt): " \
-        "write its utterances as a NeMo speech manifest" in err and "--input-format" not in \
-        err, err
+    assert code == 2 and "reads no .tsv file: write utterances (Common Voice's TSV, " \
+        "LibriSpeech's trans.txt) as a NeMo speech manifest" in err and "image captions as " \
+        "JSONL records" in err and "--input-format" not in err, err
+    # ... but JSONL saved as .txt is told --input-format, which reads it
+    (tmp_path / "records.txt").write_text(json.dumps(good_records[0]) + "\n")
+    code, _, err = cli_main(capsys, "build", tmp_path / "records.txt", "-o", tmp_path / "no",
+                            "--no-progress")
+    assert code == 2 and "pass --input-format llava|manifest|parquet" in err, err
+    # a COCO annotations file (its images a list of objects) is no record to put in [ ]
+    (tmp_path / "captions_train2017.json").write_text(json.dumps({
+        "info": {}, "images": [{"id": 1, "file_name": "1.jpg"}],
+        "annotations": [{"image_id": 1, "caption": "A cat."}]}, indent=2))
+    code, _, err = cli_main(capsys, "build", tmp_path / "captions_train2017.json", "-o",
+                            tmp_path / "no", "--no-progress")
+    assert code == 2 and "expected a JSON array of records, got a JSON object" in err and \
+        "one record" not in err, err
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])

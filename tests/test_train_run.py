@@ -1818,32 +1818,54 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
     # a run set back (latest) from step 7 to step 4, saving 6 and 8 under keep_last 2: the
     # continuation's step 7 is neither one of its newest 2 nor deleted, and its own 6 stays
     # (7 counted, the run's own 6 went)
+    # (a save interrupted at step 5, anyone's, goes as before)
     back = tmp_path / "back"
-    for step in (2, 4, 6, 7, 8):
+    for step in (2, 4, 5, 6, 7, 8):
         (back / f"step_{step:07d}").mkdir(parents=True)
-        (back / f"step_{step:07d}" / "integrity.json").write_text("{}")
+        if step != 5:
+            (back / f"step_{step:07d}" / "integrity.json").write_text("{}")
     (back / "latest").write_text("step_0000008")
     deleted = prune(str(back), 2, str(back / "step_0000008"),
                     Lineage("step_0000004", frozenset({"step_0000006", "step_0000008"})))
-    assert [os.path.basename(d) for d in deleted] == ["step_0000002", "step_0000004"]
+    assert [os.path.basename(d) for d in deleted] == ["step_0000002", "step_0000004",
+                                                      "step_0000005"]
     assert sorted(p.name for p in back.glob("step_*")) == [
         "step_0000006", "step_0000007", "step_0000008"]
 
 
 def test_a_run_set_back_names_the_later_step_folders(tmp_path, capsys):
     """Resuming an earlier checkpoint than the folder's newest (``latest`` set back): the
-    later step folders are named at start-up, with what becomes of them."""
+    later complete checkpoints are named at start-up (the first four), with what becomes of
+    them, not an interrupted save (step 9's); the run's saves reach ``prune`` as its lineage
+    (where it resumed, what it wrote)."""
+    from mimo_train.components import checkpoint
     from mimo_train.components.checkpoint import Saver
-    for step in (2, 4, 6, 7):
+    for step in (2, 4, 6, 7, 8, 9, 10, 11):
         (tmp_path / f"step_{step:07d}").mkdir()
-    Saver(str(tmp_path), asynchronous=False, keep_last=2, resumed=str(tmp_path / "step_0000004"))
+        if step != 9:
+            (tmp_path / f"step_{step:07d}" / "integrity.json").write_text("{}")
+    saver = Saver(str(tmp_path), asynchronous=False, keep_last=2,
+                  resumed=str(tmp_path / "step_0000004"))
     assert capsys.readouterr().out == (
         f"mimo-train: {tmp_path} holds step folders after step_0000004, which this run resumed: "
-        "step_0000006, step_0000007 (the run that went on from it, set back by latest): this "
-        "run writes its own over those it reaches, and checkpoint.keep_last neither counts nor "
-        "deletes the others\n")
-    Saver(str(tmp_path), asynchronous=False, keep_last=2, resumed=str(tmp_path / "step_0000007"))
+        "step_0000006, step_0000007, step_0000008, step_0000010 ... (the run that went on from "
+        "it, set back by latest): this run writes its own over those it reaches, and "
+        "checkpoint.keep_last neither counts nor deletes the others\n")
+    Saver(str(tmp_path), asynchronous=False, keep_last=2, resumed=str(tmp_path / "step_0000011"))
     assert capsys.readouterr().out == ""
+
+    class Done:
+        def execute_sync(self):
+            pass
+    seen = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint, "_save_request",
+                      lambda *args: (seen.append(args[-1]), Done())[1])
+        saver.save(6, None, {})
+        saver.save(8, None, {})
+    assert seen == [checkpoint.Lineage("step_0000004", frozenset({"step_0000006"})),
+                    checkpoint.Lineage("step_0000004",
+                                       frozenset({"step_0000006", "step_0000008"}))]
 
 
 def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):

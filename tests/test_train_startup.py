@@ -615,6 +615,8 @@ def test_a_copy_of_a_dataset_given_beside_it_is_refused(tmp_path, loader_corpus)
         f"{loader_corpus} and {whole}, whose index.json are the same (a copy of one dataset) "
         "given: each of its samples would be drawn twice an epoch; give it once (to draw from "
         "it more often, weights)")
+    assert DataSource([loader_corpus, whole], REPO / "configs" / "preprocess.yaml",
+                      weights=[1, 0]).weights == [1.0, 0.0]    # weight 0: draws nothing
     # an index of one of its shards (read in place, say): that shard's samples twice
     index = json.loads((copy / "index.json").read_text())
     shard = index["shards"][1]

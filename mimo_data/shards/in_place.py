@@ -219,8 +219,11 @@ def _check_layout(job: _Job, head: list[dict[str, bytes]],
     members) are of another layout than the one detected from the first tar's (a
     conversation tar read as caption pairs would be skipped whole, each sample without its
     caption), or show its members of one key apart (``members_apart``: each member would be
-    skipped alone), as the first tar's are checked."""
-    apart = members_apart(head, split_keys(runs), job.mapping.layout, job.mapping.json)
+    skipped alone), as the first tar's are checked (lone members where its first
+    ``DETECT_SAMPLES`` are all so)."""
+    # lone members said only of a full head: a short tar's one sample may lack its caption
+    apart = members_apart(head if len(head) == DETECT_SAMPLES else [], split_keys(runs),
+                          job.mapping.layout, job.mapping.json)
     if apart:
         raise IndexInputError(f"{storage.join(job.root, job.name)}: {apart}")
     found = detect(head, job.mapping.json)

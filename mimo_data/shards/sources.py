@@ -377,11 +377,11 @@ class ConversationFile:
                 "one (one object a line, its first character no '[', which reads as a JSON "
                 "list whatever the file's name; e.g. jq -c '.[]' FILE > records.jsonl, where "
                 "jq reads it)")) from None
-        if isinstance(records, dict) and records.keys() & _RECORD_KEYS:
+        if isinstance(records, dict) and (keys := _record_keys(records)):
             raise SourceError(f"{self.path}: a JSON object, one record (its keys "
-                              f"{listed(sorted(records.keys() & _RECORD_KEYS))}), where a JSON "
-                              "array of records is read: put it in [ ], or write it as one "
-                              f"JSONL line (e.g. jq -c . {self.path} > records.jsonl)")
+                              f"{listed(keys)}), where a JSON array of records is read: put it "
+                              f"in [ ], or write it as one JSONL line (e.g. jq -c . {self.path} "
+                              "> records.jsonl)")
         if not isinstance(records, list):
             inside = [key for key, value in records.items() if isinstance(value, list)] \
                 if isinstance(records, dict) else []
@@ -737,9 +737,15 @@ def _json_value(raw):
         raise RecordError("malformed_json", f"the conversation is not valid JSON: {exc}") from None
 
 
-# keys that make a JSON object a record (a conversation, a document, a caption, an utterance)
-_RECORD_KEYS = frozenset(("conversations", "messages", "image", "images", "video", "videos",
-                          "audio", "audios", "texts", "caption", "text_list", "audio_filepath"))
+def _record_keys(value: dict) -> list[str]:
+    """The keys that make the JSON object ``value`` one record: a conversation's, a
+    document's, a caption's, an utterance's, or media named by path; none where its media
+    keys hold other objects (a COCO annotations file's ``images``: a list of objects)."""
+    media = [key for key in ("image", "images", "video", "videos", "audio", "audios")
+             if isinstance(value.get(key), str) or isinstance(value.get(key), list) and all(
+                 item is None or isinstance(item, str) for item in value[key])]
+    return sorted(media + [key for key in ("conversations", "messages", "texts", "caption",
+                                           "text_list", "audio_filepath") if key in value])
 
 
 def _pick_column(path, names, wanted, candidates) -> str | None:
@@ -791,11 +797,12 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     _refuse_wide_text(path, head)
     fmt = input_format
     suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl
-    if fmt == "auto" and suffix in (".tsv", ".csv", ".txt"):
-        raise SourceError(f"{path}: mimo-shard build reads no {suffix} file (Common Voice's "
-                          "TSV, LibriSpeech's trans.txt): write its utterances as a NeMo "
-                          "speech manifest, a JSONL of {\"audio_filepath\", \"text\"} a line "
-                          "(docs/datasets.md shows how), and give that")
+    if fmt == "auto" and suffix in (".tsv", ".csv", ".txt") and not _json_lines(path):
+        raise SourceError(f"{path}: mimo-shard build reads no {suffix} file: write utterances "
+                          "(Common Voice's TSV, LibriSpeech's trans.txt) as a NeMo speech "
+                          "manifest, a JSONL of {\"audio_filepath\", \"text\"} a line "
+                          "(docs/datasets.md shows how), and image captions as JSONL records "
+                          "of {\"image\", \"caption\"}; then give that")
     if fmt == "auto" and suffix not in (".parquet", ".json", *_LINES_SUFFIXES):
         raise SourceError(f"{path}: cannot tell the input format from the extension (.json, "
                           f".jsonl, .ndjson or .parquet); pass --input-format "

@@ -224,8 +224,9 @@ class Saver:
                  resumed: str | None = None):
         """``keep_last``: once a save is complete, older checkpoints beyond the newest
         ``keep_last`` are deleted (``prune``); None: all are kept. ``resumed``: the step
-        directory the run resumed (step folders after it, a continuation set back from, are
-        said, and neither counted nor deleted by ``prune`` unless this run writes them)."""
+        directory the run resumed (complete checkpoints after it, of a continuation set back
+        from, are said, and neither counted nor deleted by ``prune`` unless this run writes
+        them)."""
         use_forked_write_results()
         self.root, self.keep_last = root, keep_last
         self.queue = AsyncCallsQueue() if asynchronous else None
@@ -233,7 +234,8 @@ class Saver:
         self.resumed = os.path.basename(resumed) if resumed else None
         self.written: set[str] = set()     # the step folders this run saved
         later = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
-                       and name > self.resumed) if self.resumed else []
+                       and name > self.resumed and os.path.isfile(
+                           os.path.join(root, name, MANIFEST))) if self.resumed else []
         if later:
             say(f"{PREFIX}{root} holds step folders after {self.resumed}, which this run "
                 f"resumed: {', '.join(later[:4])}{' ...' if len(later) > 4 else ''} (the run "
@@ -301,16 +303,19 @@ def prune(root: str, keep_last: int, current: str,
           lineage: Lineage | None = None) -> list[str]:
     """Delete the step directories of ``root`` older than its newest ``keep_last`` complete
     checkpoints up to ``current`` (the one just completed, which ``latest`` names), of the
-    run's ``lineage`` only (a continuation it was set back from is neither counted nor
-    deleted); never ``current``, the one ``latest`` names, nor one after ``current`` (being
-    written, or a run's that resumed an earlier one). Rank 0, once ``latest`` is written; the
-    deleted directories."""
+    run's ``lineage`` only (the complete checkpoints of a continuation it was set back from
+    are neither counted nor deleted; interrupted saves are anyone's); never ``current``, the
+    one ``latest`` names, nor one after ``current`` (being written, or a run's that resumed an
+    earlier one). Rank 0, once ``latest`` is written; the deleted directories."""
     names = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name))
     lineage = lineage or Lineage()
-    upto = [name for name in names if name <= os.path.basename(current)
-            and (lineage.holds(name) or name == os.path.basename(current))]
-    complete = [name for name in upto if os.path.isfile(os.path.join(root, name, MANIFEST))]
-    kept = set(complete[-keep_last:]) | {os.path.basename(current)}
+
+    def complete(name: str) -> bool:
+        return os.path.isfile(os.path.join(root, name, MANIFEST))
+    upto = [name for name in names if name <= os.path.basename(current) and (
+        lineage.holds(name) or not complete(name) or name == os.path.basename(current))]
+    complete_ones = [name for name in upto if complete(name)]
+    kept = set(complete_ones[-keep_last:]) | {os.path.basename(current)}
     named = latest(root)
     if named:
         kept.add(os.path.basename(named))
