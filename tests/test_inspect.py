@@ -630,7 +630,7 @@ def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
     code, _, err = run(capsys, "report", clean, "--config", training)
     assert code == 2 and err.strip().endswith(
         f"{training} is a training config, not a preprocessing config: give the one its "
-        f"data.preprocess names: --config {REPO / 'configs' / 'preprocess_qwen2_vl.yaml'}"), err
+        f"data.preprocess names, {REPO / 'configs' / 'preprocess_qwen2_vl.yaml'}"), err
     # Ctrl-C: one line, exit 130, not the traceback of wherever it was
     from mimo_data.inspect import cli
     def interrupted(*args):

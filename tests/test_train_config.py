@@ -311,7 +311,14 @@ def test_unknown_key_message_lists_the_known_ones(tmp_path):
                          # flat, as TrainingArguments are written
                          ("max_steps=100", "; max_steps goes in train.steps here"),
                          ("bf16=true", "; bf16 goes in train.precision (bf16) here"),
-                         ("checkpoint.save_total_limit=2", "goes in checkpoint.keep_last here")):
+                         ("checkpoint.save_total_limit=2", "goes in checkpoint.keep_last here"),
+                         ("train.gradient_checkpointing=true", "goes in "
+                          "model.language.recompute (and model.encoders.<module>.recompute) "
+                          "here"),
+                         # PEFT's LoraConfig names under model.lora.<part>
+                         ("model.lora.language.r=8", "model.lora.language.r goes in rank here "
+                          "(PEFT's r)"),
+                         ("model.lora.language.target_modules=[q_proj]", "goes in targets here")):
         message = load_error(tmp_path, MINIMAL, theirs)
         assert ours in message, message
     # a whole preprocessing config given as the training config: said as one
@@ -401,6 +408,11 @@ train: {steps: 20}
     (["optimizer.min_lr=0.01"], "optimizer.min_lr 0.01"),
     (["optimizer.min_lr=-0.0001"], "optimizer.min_lr -0.0001"),
     (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps is -1"),
+    # a bucket size megatron-core would leave unused (no overlap_grad_reduce), per module too
+    (["optimizer.bucket_size=1000"], "optimizer.bucket_size 1000 is the size of the buckets "
+     "overlap_grad_reduce reduces during the backward pass, and overlap_grad_reduce is off"),
+    (["optimizer.modules={image: {bucket_size: 1000}}"], "set "
+     "optimizer.modules.image.overlap_grad_reduce: true, or leave bucket_size out"),
     (["data.valid=[v]"], "data.valid is set but train.eval_interval is 0"),
     (["train.eval_interval=5"], "train.eval_interval is set but data.valid"),
     (["train.eval_steps=4"], "train.eval_steps is 4 but data.valid lists no shard "
@@ -431,6 +443,7 @@ def test_validate_rule(tmp_path, overrides, fragment):
     ["optimizer.warmup_steps=0", "train.steps=1"],
     ["optimizer.min_lr=0.001"],
     ["optimizer.min_lr=0"],
+    ["optimizer.bucket_size=1000", "optimizer.overlap_grad_reduce=true"],
     ["data.valid=[v]", "train.eval_interval=5"],
     ["train.device=cuda", "train.precision=bf16"],
     ["train.device=auto", "model.projection=linear"],

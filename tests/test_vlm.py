@@ -444,6 +444,9 @@ def test_a_speech_tower_beside_the_vlms_gets_a_projection_of_its_own(vlm_data):
         resolve(TrainConfig.load(None, [*plain, "model.encoders.image.hidden_size=28"]), dynamic)
     assert resolve(TrainConfig.load(None, [*plain, "model.encoders.image.hidden_size=24"]),
                    dynamic).encoders["image"].dims == (24, 1, 2)
+    with pytest.raises(TrainConfigError, match=r"\(its rotary positions\): give a hidden_size "
+                       r"that is a multiple of 4$"):      # no head count fits 30 (it said none)
+        resolve(TrainConfig.load(None, [*plain, "model.encoders.image.hidden_size=30"]), dynamic)
     # and the language model's: its rotary turns channel pairs (15 failed at step 1)
     with pytest.raises(TrainConfigError, match=r"model.language: num_attention_heads 4 over "
                        r"hidden_size 60 makes heads of 15 channels, an odd number, .* give "

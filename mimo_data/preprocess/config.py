@@ -231,7 +231,7 @@ class PreprocessConfig:
                                                       os.path.expanduser(named)))
             raise ConfigError(f"{path} is a training config, not a preprocessing config: give "
                               "the one its data.preprocess names" + (
-                                  f": --config {named}" if named else f"; {derive}"))
+                                  f", {named}" if named else f"; {derive}"))
         data = dict(data)
         for key, kind in (("tokenizer", "directory"), ("chat_template", "file")):
             if isinstance(data.get(key), str):

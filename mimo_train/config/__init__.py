@@ -74,7 +74,16 @@ TRANSFORMERS_NAMES = {theirs: f"{ours} here (transformers' {theirs})" for theirs
     "warmup_steps": "optimizer.warmup_steps", "weight_decay": "optimizer.weight_decay",
     "max_grad_norm": "optimizer.clip_grad", "save_steps": "checkpoint.interval",
     "save_total_limit": "checkpoint.keep_last", "output_dir": "checkpoint.dir",
-    "router_aux_loss_coef": "model.language.moe_aux_loss"}.items()}
+    "router_aux_loss_coef": "model.language.moe_aux_loss",
+    "gradient_checkpointing": "model.language.recompute (and model.encoders.<module>.recompute)",
+    "attn_implementation": "model.attention", "fp16": "train.precision (bf16 or fp32)",
+    "lr_scheduler_type": "optimizer.min_lr (a cosine decay to it, after warmup_steps)",
+    "resume_from_checkpoint": "checkpoint.resume (and latest in checkpoint.dir)",
+    "num_train_epochs": "train.steps (an epoch's steps: mimo-inspect plan says them)"}.items()}
+# PEFT's LoraConfig names of model.lora.<part>'s settings
+PEFT_NAMES = {theirs: f"{ours} here (PEFT's {theirs})" for theirs, ours in {
+    "r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
+    "target_modules": "targets"}.items()}
 
 
 @dataclass
@@ -188,6 +197,7 @@ class EncoderConfig:
 class LoraConfig:
     """LoRA on a part's linear layers (``mimo_train.model.lora``): W x + alpha / rank * B A x,
     A random, B zero (``init_lora_weights: false``: B random too, as PEFT's option)."""
+    ELSEWHERE = PEFT_NAMES
     rank: Positive = 8
     alpha: Annotated[float, Range(0, open_low=True)] = 16.0
     dropout: Annotated[float, Range(0, 1, open_high=True)] = 0.0
@@ -265,10 +275,17 @@ class OptimizerConfig:
         return dataclasses.replace(self, modules={}, **values)
 
     def check(self, module: str | None = None) -> None:
-        """What the fields' types do not say: ``min_lr`` in [0, ``lr``]."""
+        """What the fields' types do not say: ``min_lr`` in [0, ``lr``]; ``bucket_size`` with
+        ``overlap_grad_reduce`` (megatron-core leaves it unused without)."""
         where = f"optimizer.modules.{module}." if module else "optimizer."
         if not 0 <= self.min_lr <= self.lr:
             raise TrainConfigError(f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]")
+        if self.bucket_size is not None and not self.overlap_grad_reduce:
+            raise TrainConfigError(
+                f"{where}bucket_size {self.bucket_size} is the size of the buckets "
+                "overlap_grad_reduce reduces during the backward pass, and overlap_grad_reduce "
+                "is off (megatron-core then reduces all at once and would leave it unused): "
+                f"set {where}overlap_grad_reduce: true, or leave bucket_size out")
 
 
 @dataclass

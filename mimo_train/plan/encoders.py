@@ -145,8 +145,8 @@ def _tower_dims(name: str, spec: EncoderConfig, kind: str, vlm: VLM | None) -> E
             f"model.encoders.{name}: num_attention_heads {heads} over hidden_size {hidden} "
             f"makes heads of {hidden / heads:g} channels, and a {kind} tower's head size is "
             + (f"a multiple of {size} (its rotary positions)" if multiple > 1 else size) +
-            f": give heads of {', '.join(map(str, fits))}" + (
-                "" if fits else f", or a hidden_size that is a multiple of {multiple}"))
+            (f": give heads of {', '.join(map(str, fits))}" if fits else
+             f": give a hidden_size that is a multiple of {multiple}"))
     return dataclasses.replace(spec, **dims)
 
 

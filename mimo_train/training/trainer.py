@@ -532,7 +532,8 @@ class Trainer:
                     break
                 if stop and not last:
                     say(f"{PREFIX}train.exit_interval {run.exit_interval}: stopping at step "
-                        f"{self.step}")
+                        f"{self.step}" + ("" if self.cfg.checkpoint.dir else
+                                          " (no checkpoint.dir: nothing saved)"))
                     break
             anomalies, read = self.settle()         # (every way out of the loop settled)
             self._anomalies(anomalies, read + self.metrics.flush())     # steps not logged yet
