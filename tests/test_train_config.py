@@ -464,6 +464,9 @@ def test_validate_accepts_the_boundaries(tmp_path, overrides):
 def test_validate_applies_to_a_config_built_in_code(tmp_path):
     cfg = load(tmp_path, VALID)
     cfg.validate()
+    # the optimizer's bucket_size for a module's overlap (docs/training.md's example): taken
+    load(tmp_path, VALID, "optimizer.bucket_size=1000",
+         "optimizer.modules={language: {overlap_grad_reduce: true}}").validate()
     cfg.train.steps = 0
     with pytest.raises(TrainConfigError, match="train.steps is 0"):
         cfg.validate()

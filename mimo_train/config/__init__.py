@@ -275,17 +275,26 @@ class OptimizerConfig:
         return dataclasses.replace(self, modules={}, **values)
 
     def check(self, module: str | None = None) -> None:
-        """What the fields' types do not say: ``min_lr`` in [0, ``lr``]; ``bucket_size`` with
-        ``overlap_grad_reduce`` (megatron-core leaves it unused without)."""
+        """What the fields' types do not say: ``min_lr`` in [0, ``lr``]; ``bucket_size``
+        where ``overlap_grad_reduce`` uses it (megatron-core leaves it unused without): a
+        module's own with its overlap, the optimizer's with its own or some module's."""
         where = f"optimizer.modules.{module}." if module else "optimizer."
         if not 0 <= self.min_lr <= self.lr:
             raise TrainConfigError(f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]")
-        if self.bucket_size is not None and not self.overlap_grad_reduce:
+        if module is not None:          # (a module's: ``of``'s, its own modules gone)
+            return
+        unused = [("optimizer.", self.bucket_size)] if self.bucket_size is not None and not (
+            self.overlap_grad_reduce or any(self.of(name).overlap_grad_reduce
+                                            for name in self.modules)) else []
+        unused += [(f"optimizer.modules.{name}.", own.bucket_size)
+                   for name, own in self.modules.items()
+                   if own.bucket_size is not None and not self.of(name).overlap_grad_reduce]
+        for where, size in unused[:1]:
             raise TrainConfigError(
-                f"{where}bucket_size {self.bucket_size} is the size of the buckets "
-                "overlap_grad_reduce reduces during the backward pass, and overlap_grad_reduce "
-                "is off (megatron-core then reduces all at once and would leave it unused): "
-                f"set {where}overlap_grad_reduce: true, or leave bucket_size out")
+                f"{where}bucket_size {size} is the size of the buckets overlap_grad_reduce "
+                "reduces during the backward pass, and overlap_grad_reduce is off (megatron-core "
+                "then reduces all at once and would leave it unused): set "
+                f"{where}overlap_grad_reduce: true, or leave bucket_size out")
 
 
 @dataclass
