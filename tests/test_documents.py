@@ -482,3 +482,18 @@ def test_an_mmc4_record_not_of_its_form_is_skipped_saying_which_part(tmp_path):
                        r"\['<image>'\]") as refused:
         mmc4_document(["Plain.", "Has <image> typed.", "End."], [image, image])
     assert refused.value.reason == "marker_mismatch"
+
+
+def test_inspect_finds_an_answer_after_a_user_turn_ending_in_its_image(qwen):
+    """A user turn ending with its image ("Describe.\\n<image>"): the next header
+    (<|im_end|>\\n<|im_start|>assistant) is found where it is, not at the next turn's; no
+    trained answer is said to be missing, no weight-0 answer said trained."""
+    encoder, _, _ = qwen
+    for weight in (1, 0):
+        record = {"key": "t", "id": None, "source": {}, "media": [_image(56, 56)],
+                  "messages": [{"role": "user", "content": "Describe.\n<image>"},
+                               {"role": "assistant", "content": "Yes.", "weight": weight},
+                               {"role": "user", "content": "Is it?"},
+                               {"role": "assistant", "content": "Yes. Sure"}]}
+        stats, _ = SampleInspector(encoder.config, text=encoder)(0, record)
+        assert stats.coverage_problems == [], stats.coverage_problems

@@ -1223,13 +1223,14 @@ def test_plan_text_summary(capsys, clean, configs, single_image):
     mean = float(re.search(r"^\s+0\s+language.*?\s(\d+\.\d)\s+\d+\s+\d+\.\d", out,
                            re.M).group(1))
     assert out.count(f"(holds 1/2 of each sequence: ~{mean / 2:.1f} tokens/step)") == 2
-    # an encoder module no sample feeds: its idle line after the checks
+    # an encoder module no sample feeds: its idle line after the checks (its modality once,
+    # over its two ranks)
     code, out, _ = run(capsys, "plan", single_image, "--config", configs["fixed"], "--layout",
-                       "language=dp1;image=dp2;audio=dp1", "--global-batch-size", "8",
+                       "language=dp1;image=dp1;audio=dp2", "--global-batch-size", "8",
                        "--micro-batch-size", "2")
     assert code == 0 and out.rstrip().endswith(
         "\nidle      module 'audio' gets no item this epoch (the data holds no audio): its "
-        "weights would not train and its rank(s) 3 do nothing for it; drop it from the "
+        "weights would not train and its rank(s) 2, 3 do nothing for it; drop it from the "
         "layout, or give the data it is for"), out
 
 
@@ -1324,3 +1325,4 @@ def test_plan_text_shows_packing_efficiency_this_plans_first(capsys, clean, conf
         assert re.search(r"^  packed +1\.00: only the \d+ real tokens are computed \(--packing: "
                          r"no padding\), in \d+ sequences of seq_length, 0\.\d\d full$", out,
                          re.MULTILINE), out
+

@@ -1757,8 +1757,18 @@ def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, t
     with pytest.raises(IndexInputError) as refused:
         index([str(tmp_path / "conv")], str(tmp_path / "no-conv"),
               IndexOptions(workers=0, progress=False))
-    assert str(refused.value).endswith("(here, where it is a conversation: --layout "
+    assert str(refused.value).endswith("(here, where one is a conversation: --layout "
                                        "conversation --json-member conv.json)"), refused.value
+    # two JSON members (KEY.conv.json, KEY.meta.json): both named, no dots said
+    (tmp_path / "multi").mkdir()
+    with webdataset.TarWriter(str(tmp_path / "multi" / "m-000000.tar")) as writer:
+        for number, photo in enumerate(photos):
+            writer.write({"__key__": f"x{number}", "jpg": photo, "conv.json": turns,
+                          "meta.json": '{"source": "x"}'})
+    with pytest.raises(IndexInputError) as refused:
+        index([str(tmp_path / "multi")], str(tmp_path / "no-multi"),
+              IndexOptions(workers=0, progress=False))
+    assert str(refused.value).endswith("--json-member conv.json or meta.json)"), refused.value
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         index([str(tmp_path / "src")], str(tmp_path / "idx"), IndexOptions(
@@ -2222,3 +2232,4 @@ def test_a_vqa_ocr_sample_s_ocr_fields_are_said_as_not_read(tmp_path):
     assert mapping.layout == "vqa" and unread == [
         f"{tmp_path / '.nv-meta' / 'dataset.yaml'}: field_map.text (a VQAOCRSample's OCR) is "
         "not read: mimo trains the question and its answer"]
+

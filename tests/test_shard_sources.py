@@ -755,6 +755,9 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     (tmp_path / "train.tsv").write_text("client_id\tpath\tsentence\nabc\ta.mp3\tHi.\n")
     code, _, err = cli_main(capsys, "build", tmp_path / "train.tsv", "-o", tmp_path / "no",
                             "--no-progress")
+    assert code == 2 and "reads no .tsv file" in err, err
+    code, _, err = cli_main(capsys, "build", tmp_path / "train.tsv", "-o", tmp_path / "no",
+                            "--no-progress", "--input-format", "manifest")   # a skip a line
     assert code == 2 and "reads no .tsv file: write utterances (Common Voice's TSV, " \
         "LibriSpeech's trans.txt) as a NeMo speech manifest" in err and "image captions as " \
         "JSONL records" in err and "--input-format" not in err, err

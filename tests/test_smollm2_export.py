@@ -612,6 +612,11 @@ def test_a_system_turn_one_path_and_a_long_prompt_are_taken_as_said(generator, a
     assert one.spliced == {"image": IMAGE_TOKENS}
     with pytest.raises(GenerateError, match="top_p 0.5 goes with temperature"):
         generator.generate("Hi", top_p=0.5)
+    with pytest.raises(GenerateError, match="--frames-fps is the rate of a --video folder"):
+        generator.generate("Hi", frames_fps=2.0)       # the API's too, not silently unused
+    with pytest.raises(GenerateError, match="the system turn holds a <image> marker: it takes "
+                       "text alone"):
+        generator.generate("Hi", system="You see <image> images.")
     positions = generator.language.config.max_position_embeddings
     capsys.readouterr()
     generator._say_longer(positions - 1, 2)

@@ -315,6 +315,8 @@ def test_unknown_key_message_lists_the_known_ones(tmp_path):
                          ("train.gradient_checkpointing=true", "goes in "
                           "model.language.recompute (and model.encoders.<module>.recompute) "
                           "here"),
+                         ("model.attn_implementation=sdpa", "model.attn_implementation goes "
+                          "in model.attention here"),
                          # PEFT's LoraConfig names under model.lora.<part>
                          ("model.lora.language.r=8", "model.lora.language.r goes in rank here "
                           "(PEFT's r)"),

@@ -1826,7 +1826,7 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
             (back / f"step_{step:07d}" / "integrity.json").write_text("{}")
     (back / "latest").write_text("step_0000008")
     deleted = prune(str(back), 2, str(back / "step_0000008"),
-                    Lineage("step_0000004", frozenset({"step_0000006", "step_0000008"})))
+                    Lineage(frozenset({"step_0000007"})))
     assert [os.path.basename(d) for d in deleted] == ["step_0000002", "step_0000004",
                                                       "step_0000005"]
     assert sorted(p.name for p in back.glob("step_*")) == [
@@ -1837,7 +1837,8 @@ def test_a_run_set_back_names_the_later_step_folders(tmp_path, capsys):
     """Resuming an earlier checkpoint than the folder's newest (``latest`` set back): the
     later complete checkpoints are named at start-up (the first four), with what becomes of
     them, not an interrupted save (step 9's); the run's saves reach ``prune`` as its lineage
-    (where it resumed, what it wrote)."""
+    (those set back from, but the ones it wrote again), and each save's meta.json names them,
+    so that a later resume of it keeps them out too."""
     from mimo_train.components import checkpoint
     from mimo_train.components.checkpoint import Saver
     for step in (2, 4, 6, 7, 8, 9, 10, 11):
@@ -1860,12 +1861,20 @@ def test_a_run_set_back_names_the_later_step_folders(tmp_path, capsys):
     seen = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(checkpoint, "_save_request",
-                      lambda *args: (seen.append(args[-1]), Done())[1])
-        saver.save(6, None, {})
-        saver.save(8, None, {})
-    assert seen == [checkpoint.Lineage("step_0000004", frozenset({"step_0000006"})),
-                    checkpoint.Lineage("step_0000004",
-                                       frozenset({"step_0000006", "step_0000008"}))]
+                      lambda *args: (seen.append((args[4], args[-1])), Done())[1])
+        saver.save(6, None, {"step": 6})
+        saver.save(8, None, {"step": 8})
+    names = [f"step_{n:07d}" for n in (7, 8, 10, 11)]
+    assert seen == [({"step": 6, "set_back_from": names},
+                     checkpoint.Lineage(frozenset(names))),
+                    ({"step": 8, "set_back_from": [names[0], *names[2:]]},
+                     checkpoint.Lineage(frozenset([names[0], *names[2:]])))]
+    # that run's step 8 resumed later: step 7, set back from before, is still not its own
+    (tmp_path / "step_0000008" / "meta.json").write_text(json.dumps(seen[1][0]))
+    capsys.readouterr()
+    again = Saver(str(tmp_path), asynchronous=False, keep_last=2,
+                  resumed=str(tmp_path / "step_0000008"))
+    assert again.abandoned == {"step_0000007", "step_0000010", "step_0000011"}
 
 
 def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):

@@ -218,8 +218,8 @@ class PlanSummary:
             imbalance[module] = {"dp_size": len(dp), "mean": float(ratios.mean())
                                  if len(ratios) else 1.0, "max": float(ratios.max())
                                  if len(ratios) else 1.0, "worst_step": worst}
-        idle = {module: {"modalities": sorted(m for entry in result["ranks"] for m, name in
-                                              entry["role"]["media"].items() if name == module),
+        idle = {module: {"modalities": sorted({m for entry in result["ranks"] for m, name in
+                                               entry["role"]["media"].items() if name == module}),
                          "ranks": sorted({row["rank"] for row in rows
                                           if row["module"] == module})}
                 for module, held in epoch_tokens.items() if not held and module != LANGUAGE}

@@ -186,6 +186,9 @@ class SampleInspector:
         self._item_tokens: dict[tuple, int | None] = {}    # metadata -> tokens, memoized
         self._headers: dict[tuple, tuple[str, ...] | None] = {}   # roles -> headers
         self._decoder = self.text.tokenizer.backend_tokenizer
+        # a medium's run in the decoded text, ending at its own wrap token
+        self._item = _item([m.wrap[1] for m in config.modalities.values() if m.wrap])
+        self._media_run = re.compile(self._item)
 
     def item_tokens(self, item: Mapping[str, Any]) -> int | None:
         """``expected_item_tokens`` memoized on the metadata it depends on."""
@@ -300,7 +303,7 @@ class SampleInspector:
         for piece in pieces:
             starts.append(starts[-1] + len(piece))
         text, cursor = "".join(pieces), 0
-        media = [run.span() for run in _MEDIA_RUN.finditer(text)]     # with their wrap tokens
+        media = [run.span() for run in self._media_run.finditer(text)]   # with their wraps
         # the first token is no one's target: a document's first word is never trained
         first = len(self._decoder.decode(ids[:1].tolist(), skip_special_tokens=False)
                     ) if kinds and kinds[0] != 2 else 0
@@ -314,7 +317,7 @@ class SampleInspector:
             names = _call_words(message)
             if not content.replace(_PLACEHOLDER, "").strip() and not names:
                 continue
-            header = _locate(text, headers[turn], cursor, media) \
+            header = _locate(text, headers[turn], cursor, media, self._item) \
                 if headers and headers[turn] else None
             kept = written.get(turn) if written else None
             if kept is not None and in_loss(message) and THINK_END in content:
@@ -322,13 +325,14 @@ class SampleInspector:
             for piece in written_parts(content, written, turn):
                 if not piece.replace(_PLACEHOLDER, "").strip():
                     continue
-                found = (header and _locate(text, piece, max(header[1], cursor), media)) or \
-                    _locate(text, piece, cursor, media)
+                found = (header and _locate(text, piece, max(header[1], cursor), media,
+                                            self._item)) or \
+                    _locate(text, piece, cursor, media, self._item)
                 cursor = self._judge(stats, turn, role, in_loss(message), piece, found,
                                      text, pieces, starts, kinds, first) or cursor
             wrong, total = 0, 0      # the calls' words: one count, one problem a turn
             for word in names:
-                found = _locate(text, word, cursor, media)
+                found = _locate(text, word, cursor, media, self._item)
                 total += _visible(word)
                 if found is None:
                     wrong += _visible(word)
@@ -457,20 +461,20 @@ def _visible(text: str) -> int:
 
 class Found(NamedTuple):
     """Where a content is in the decoded text: [start, end), and the spans of its media's
-    runs there (their placeholders with the tokens written around them, ``_ITEM``)."""
+    runs there (their placeholders with the tokens written around them, ``_item``)."""
     start: int
     end: int
     media: tuple[tuple[int, int], ...] = ()
 
 
-def _locate(text: str, content: str, start: int,
-            media: Sequence[tuple[int, int]] = ()) -> Found | None:
+def _locate(text: str, content: str, start: int, media: Sequence[tuple[int, int]] = (),
+            item: str | None = None) -> Found | None:
     """Where ``content`` is in ``text`` from ``start``; whitespace may differ (tokenizers that
     do not decode it back exactly), and a medium's placeholder may stand between the tokens
-    the template writes around it (``_ITEM``); None when absent. A match begun inside one of
-    the ``media`` runs (its wrap tokens: a caption "end" in <|vision_end|>) is none: the text
-    is searched again after the run."""
-    while (found := _find(text, content, start)) is not None:
+    the template writes around it (``item``: ``_item``'s pattern of one); None when absent. A
+    match begun inside one of the ``media`` runs (its wrap tokens: a caption "end" in
+    <|vision_end|>) is none: the text is searched again after the run."""
+    while (found := _find(text, content, start, item or _item())) is not None:
         run = next((end for begin, end in media if begin < found.start < end), None)
         if run is None:
             return found
@@ -478,13 +482,13 @@ def _locate(text: str, content: str, start: int,
     return None
 
 
-def _find(text: str, content: str, start: int) -> Found | None:
+def _find(text: str, content: str, start: int, item: str) -> Found | None:
     """``_locate``'s first match, wherever it begins."""
     found = text.find(content, start)
     if found >= 0:
         return Found(found, found + len(content))
     match = re.compile(r"\s*".join(
-        re.escape(word).replace(re.escape(_PLACEHOLDER), f"({_ITEM})")
+        re.escape(word).replace(re.escape(_PLACEHOLDER), f"({item})")
         for word in content.split())).search(text, start)
     return Found(*match.span(), tuple(match.span(g) for g in range(1, len(match.groups()) + 1))
                  ) if match else None
@@ -496,5 +500,11 @@ def _find(text: str, content: str, start: int) -> Found | None:
 # Whole runs only, never given back (possessive, and not begun inside one): a content not in
 # the text would otherwise try every split of every video's frames between its markers
 _WRAP = r"(?:<[^<>\x00\n]{1,40}>)*+"
-_ITEM = rf"(?<![>\x00]){_WRAP}\x00(?:{_WRAP}\x00)*+{_WRAP}"
-_MEDIA_RUN = re.compile(_ITEM)
+
+
+def _item(ends: Sequence[str] = ()) -> str:
+    """The pattern of a medium's run: its placeholders with the tokens before and between
+    them, and after the last one, where the modalities' wrap ``ends`` are known, one of them
+    alone (not a template's end of turn written next: <|vision_end|><|im_end|>), else any."""
+    after = f"(?:{'|'.join(map(re.escape, ends))})?" if ends else _WRAP
+    return rf"(?<![>\x00]){_WRAP}\x00(?:{_WRAP}\x00)*+{after}"

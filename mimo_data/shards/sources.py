@@ -797,7 +797,7 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     _refuse_wide_text(path, head)
     fmt = input_format
     suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl
-    if fmt == "auto" and suffix in (".tsv", ".csv", ".txt") and not _json_lines(path):
+    if fmt != "parquet" and suffix in (".tsv", ".csv", ".txt") and not _json_lines(path):
         raise SourceError(f"{path}: mimo-shard build reads no {suffix} file: write utterances "
                           "(Common Voice's TSV, LibriSpeech's trans.txt) as a NeMo speech "
                           "manifest, a JSONL of {\"audio_filepath\", \"text\"} a line "

@@ -508,12 +508,14 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
             pair = f" (here: --layout pairs --text-member {texts[0]})" \
                 if len(media) == 1 and len(texts) == 1 and \
                 texts[0].rpartition(".")[2].lower() in _CAPTION_SUFFIXES else ""
-            # x.0.json, x.1.json: keys with a dot; one KEY.conv.json: a JSON member's name
+            # x.0.json, x.1.json: keys with a dot (numbered after it); KEY.conv.json: a JSON
+            # member's own name
             named = [s for s in seen if s.endswith(f".{options.json_member}")]
-            dotted = named[0] if len(named) > 1 else None
-            if len(named) == 1:
-                pair = f" (here, where it is a conversation: --layout conversation " \
-                    f"--json-member {named[0]})"
+            numbered = [s for s in named if s.partition(".")[0].isdigit()]
+            dotted = numbered[0] if len(numbered) > 1 else None
+            if named and not dotted:
+                pair = " (here, where one is a conversation: --layout conversation " \
+                    f"--json-member {' or '.join(named[:3])})"
             raise IndexInputError(f"{storage.join(root, first)}: its first samples, of members "
                                   f"{', '.join(seen[:12]) or 'none'} (after each key's first "
                                   "dot), are neither caption pairs (a medium beside KEY.txt), "

@@ -51,7 +51,7 @@ from mimo_data.files import write_atomic
 from mimo_data.shards.format import INDEX_FILE, SAMPLES_FILE
 from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, complete_steps,
                                            damaged, holds_a_save, is_model_folder, latest,
-                                           read_meta, resume_point, step_dir)
+                                           meta_of, read_meta, resume_point, step_dir)
 from mimo_train.components import checkpoint_owner, digests
 from mimo_train.components.checkpoint_fit import module_of
 from mimo_train.components.optimizer import schedule_changes
@@ -224,31 +224,36 @@ class Saver:
                  resumed: str | None = None):
         """``keep_last``: once a save is complete, older checkpoints beyond the newest
         ``keep_last`` are deleted (``prune``); None: all are kept. ``resumed``: the step
-        directory the run resumed (complete checkpoints after it, of a continuation set back
-        from, are said, and neither counted nor deleted by ``prune`` unless this run writes
-        them)."""
+        directory the run resumed: complete checkpoints after it (of a continuation set back
+        from) are said, and with those its ``meta.json`` names so (``ABANDONED``: set back
+        from before it), neither counted nor deleted by ``prune`` unless this run writes
+        them; each save's ``meta.json`` names them on."""
         use_forked_write_results()
         self.root, self.keep_last = root, keep_last
         self.queue = AsyncCallsQueue() if asynchronous else None
         self.pending: list[str] = []       # directories being written, oldest first
-        self.resumed = os.path.basename(resumed) if resumed else None
-        self.written: set[str] = set()     # the step folders this run saved
-        later = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
-                       and name > self.resumed and os.path.isfile(
-                           os.path.join(root, name, MANIFEST))) if self.resumed else []
-        if later:
-            say(f"{PREFIX}{root} holds step folders after {self.resumed}, which this run "
-                f"resumed: {', '.join(later[:4])}{' ...' if len(later) > 4 else ''} (the run "
-                "that went on from it, set back by latest): this run writes its own over those "
-                "it reaches, and checkpoint.keep_last neither counts nor deletes the others")
+        self.abandoned: set[str] = set()
+        if resumed:
+            name = os.path.basename(resumed)
+            later = sorted(each for each in os.listdir(root) if re.fullmatch(STEP_NAME, each)
+                           and each > name and os.path.isfile(
+                               os.path.join(root, each, MANIFEST)))
+            self.abandoned = set(later) | set((meta_of(resumed) or {}).get(ABANDONED, []))
+            if later:
+                say(f"{PREFIX}{root} holds step folders after {name}, which this run "
+                    f"resumed: {', '.join(later[:4])}{' ...' if len(later) > 4 else ''} (the "
+                    "run that went on from it, set back by latest): this run writes its own "
+                    "over those it reaches, and checkpoint.keep_last neither counts nor deletes "
+                    "the others")
 
     def save(self, step: int, state: TrainingState, meta: dict) -> str:
         """Start (or, synchronously, do) the save of ``state`` at ``step``; its directory."""
         self.wait()
         directory = step_dir(self.root, step)
-        self.written.add(os.path.basename(directory))
-        request = _save_request(self.root, directory, step, state, meta, self.keep_last,
-                                Lineage(self.resumed, frozenset(self.written)))
+        self.abandoned.discard(os.path.basename(directory))     # this run's own now
+        request = _save_request(self.root, directory, step, state,
+                                {**meta, ABANDONED: sorted(self.abandoned)} if self.abandoned
+                                else meta, self.keep_last, Lineage(frozenset(self.abandoned)))
         if self.queue is None:
             try:
                 request.execute_sync()
@@ -289,14 +294,17 @@ class Saver:
         return finished
 
 
+# meta.json's list of the complete checkpoints of continuations the run was set back from
+ABANDONED = "set_back_from"
+
+
 class Lineage(NamedTuple):
-    """The step folders that are a run's checkpoints: those up to the one it ``resumed``
-    (None: all) and those it ``written``."""
-    resumed: str | None = None
-    written: frozenset[str] = frozenset()
+    """The step folders that are a run's checkpoints: all but the ``abandoned`` ones (of
+    continuations it was set back from)."""
+    abandoned: frozenset[str] = frozenset()
 
     def holds(self, name: str) -> bool:
-        return self.resumed is None or name <= self.resumed or name in self.written
+        return name not in self.abandoned
 
 
 def prune(root: str, keep_last: int, current: str,

@@ -210,6 +210,7 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
+    ELSEWHERE = TRANSFORMERS_NAMES
     # a whole VLM (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA; mimo_train/families/): the
     # image encoder, the projection and the language model from one checkpoint, unless set below
     pretrained: str | None = None

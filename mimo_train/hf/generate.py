@@ -50,6 +50,10 @@ if TYPE_CHECKING:
     from mimo_data.shards.format import Message
 
 PREFIX = "mimo-generate: "
+# a frames rate given where no video is a folder of frames
+_NO_FRAMES = ("--frames-fps is the rate of a --video folder of JPEG frames, and no --video "
+              "given is one: a video file's frames are sampled as training samples them "
+              "(modalities.video.fps of its preprocessing); leave --frames-fps out")
 _MARKER = re.compile(r"<(image|video|audio)>")
 # what to do about a medium the preprocessing refuses (the reason training counts it under)
 _REMEDIES = {
@@ -151,10 +155,7 @@ def main(argv=None) -> int:
             parser.error(f"--frames-fps is {args.frames_fps:g}: frames are taken {MIN_FPS:g} "
                          f"to {MAX_FPS:g} a second")
         if not any(os.path.isdir(video) for video in args.video):
-            parser.error("--frames-fps is the rate of a --video folder of JPEG frames, and no "
-                         "--video given is one: a video file's frames are sampled as "
-                         "training samples them (modalities.video.fps of its preprocessing); "
-                         "leave --frames-fps out")
+            parser.error(_NO_FRAMES)
     if args.prompt_file is not None:
         args.prompt = _prompt_of(args.prompt_file, parser)
     console.quiet_third_party()
@@ -323,6 +324,11 @@ class Generator:
         files = {modality: [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
                  for modality, paths in (("image", images), ("video", videos),
                                          ("audio", audios))}
+        if frames_fps is not None and not any(os.path.isdir(path) for path in files["video"]):
+            raise GenerateError(_NO_FRAMES)
+        if system is not None and (typed := _MARKER.findall(system)):
+            raise GenerateError(f"the system turn holds a <{typed[0]}> marker: it takes text "
+                                "alone (media go in the prompt)")
         has = ", ".join(sorted(self.encoders)) or "none"
         for modality, paths in files.items():
             if paths and modality not in self.encoders:
