@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 import torch
 
 from conftest import REPO
@@ -141,6 +142,42 @@ def test_a_rank_that_never_joins_times_out_the_others(ranks, tmp_path):
     assert job.codes[0] != 0, job.explain()
     assert "rank 0 gave up:" in output and "gathered without" not in output, job.explain()
     assert "timed out" in output.lower() or "timeout" in output.lower(), job.explain()
+
+
+@pytest.mark.parametrize("peer", ["never comes", "port taken"])
+def test_an_environment_launch_that_cannot_join_is_one_message(monkeypatch, peer):
+    """RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT alone (a launcher without torchrun's
+    agent, srun): a rank 1 that never starts, or a port another program holds, is one
+    StartupError naming the address and what to check (torch's DistStoreError and
+    DistNetworkError came with their tracebacks)."""
+    import socket
+    from datetime import timedelta
+
+    from mimo_train.errors import StartupError
+    for name in ("TORCHELASTIC_USE_AGENT_STORE", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        if peer == "port taken":
+            held.listen()
+        port = held.getsockname()[1]
+        if peer == "never comes":
+            held.close()                            # free again: rank 0 listens there
+        for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                            ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+            monkeypatch.setenv(name, value)
+        try:
+            with pytest.raises(StartupError) as refused:
+                distributed.init(torch.device("cpu"), timedelta(seconds=2))
+        finally:
+            distributed.destroy()
+    assert str(refused.value).startswith(
+        f"rank 0 of WORLD_SIZE 2 could not join the job at MASTER_ADDR:MASTER_PORT "
+        f"127.0.0.1:{port} ("), refused.value
+    assert str(refused.value).endswith("check that every rank was started with the same "
+                                       "address, that rank 0 runs there and the port is free "
+                                       "(not another job's), and that the others started "
+                                       "too"), refused.value
 
 
 def test_ranks_on_one_kind_of_device_are_not_mixed():

@@ -677,3 +677,18 @@ def test_the_settings_the_ranks_compare_leave_out_what_a_node_sets_its_own_way()
     assert node != given("train.seed=2") and node["train.seed"] == "1"
     assert node["preprocess.seq_length"] == repr(PreprocessConfig.from_yaml(
         str(REPO / "configs" / "preprocess_images.yaml")).seq_length)
+
+
+def test_one_process_for_a_layout_of_several_ranks_is_told_to_use_torchrun(monkeypatch):
+    """``python -m mimo_train`` (no launcher: one process) for a layout of three ranks: the
+    layout's refusal ends with the torchrun command, which a launched rank is not told."""
+    from mimo_data.loading.layout import Layout
+    from mimo_train.training import start_checks
+    layout = Layout.parse("language=dp2;image=dp1")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(start_checks.dist, "get_world_size", lambda: 1)
+    assert start_checks._alone(layout) == (
+        " (this is one process, started without torchrun: the layout's 3 ranks are torchrun "
+        "--nproc-per-node 3 -m mimo_train ...)")
+    monkeypatch.setenv("RANK", "0")
+    assert start_checks._alone(layout) == ""

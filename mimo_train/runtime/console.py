@@ -35,6 +35,10 @@ from collections.abc import Sequence
 from mimo_train.errors import RunError, StartupError
 
 PREFIX = "mimo-train: "
+# where a rank that left without a message is named: its node's torchrun reports it, unless
+# the node went with its agent (a machine lost), which leaves no report
+LOST_NAMED = ("the torchrun report on its node names it (none where the whole node was lost: "
+              "look for the node whose log stops first)")
 
 # (category, message regex, module regex) for warnings.filterwarnings: each one is printed by
 # every rank of every run and says nothing a user can act on.
@@ -214,8 +218,7 @@ def _lost_in_startup(error: Exception, phase: str) -> Exception:
         return error
     failure = RunError(f"start-up stopped in its {phase} phase on rank {rank()}: another rank "
                        f"left the job without a message ({str(error).splitlines()[0]}): killed, "
-                       "out of memory, or a signal before training began; torchrun's report "
-                       "names it")
+                       f"out of memory, or a signal before training began; {LOST_NAMED}")
     failure.peer_lost = True
     return failure
 
@@ -341,7 +344,7 @@ def run_failure(error: Exception, rank_: int, doing: str, where: str,
                            f"failed ({cause.splitlines()[0]}): another rank left the job "
                            "without a message (killed, out of memory, or a signal outside "
                            "train.exit_signals, such as a SIGINT to that rank alone?); "
-                           "torchrun's report names it")
+                           f"{LOST_NAMED}")
         failure.peer_lost = True
         return failure
     ours = type(error).__module__.split(".")[0] in ("mimo_data", "mimo_train") or \

@@ -32,6 +32,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mimo_train.errors import StartupError
+
 _control: dist.ProcessGroup | None = None
 # torchrun's store key of a rank's device type, per attempt and per join of this process
 _DEVICE_KEY = "mimo_train/device/{attempt}/{join}/{rank}"
@@ -138,7 +140,17 @@ def _join(backend: str, device: torch.device, kwargs: dict, store: dist.Store | 
                                 world_size=int(os.environ["WORLD_SIZE"]), **kwargs)
         return
     if "RANK" in os.environ:
-        dist.init_process_group(backend, **kwargs)
+        try:
+            dist.init_process_group(backend, **kwargs)
+        except (dist.DistStoreError, dist.DistNetworkError) as error:
+            # a launcher's environment alone (srun): its address or its peers at fault
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise StartupError(
+                f"rank {os.environ['RANK']} of WORLD_SIZE {os.environ.get('WORLD_SIZE')} could "
+                f"not join the job at MASTER_ADDR:MASTER_PORT {where} "
+                f"({str(error).splitlines()[0]}): check that every rank was started with the "
+                "same address, that rank 0 runs there and the port is free (not another "
+                "job's), and that the others started too", "device") from None
         return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

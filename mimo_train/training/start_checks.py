@@ -81,7 +81,7 @@ def check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -
                         cfg.train.micro_batch_size, variable_token_modalities(preprocess),
                         modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
     except LayoutError as error:
-        raise LayoutError(f"{error}{_uneven_nodes()}") from None
+        raise LayoutError(f"{error}{_uneven_nodes()}{_alone(layout)}") from None
 
 
 def _check_cache_dir(root: str | None) -> None:
@@ -97,6 +97,16 @@ def _check_cache_dir(root: str | None) -> None:
     if not os.access(root, os.W_OK | os.X_OK):
         raise TrainConfigError(f"data.cache_dir {root} takes no writes (read-only, or not "
                                "this user's): give a folder this process can write to")
+
+
+def _alone(layout: Layout) -> str:
+    """Where one process was started without a launcher (``python -m mimo_train``) for a
+    layout of several ranks, how to start them."""
+    if "RANK" in os.environ or dist.get_world_size() != 1 or layout.world_size == 1:
+        return ""
+    return (f" (this is one process, started without torchrun: the layout's "
+            f"{layout.world_size} ranks are torchrun --nproc-per-node {layout.world_size} -m "
+            "mimo_train ...)")
 
 
 def _uneven_nodes() -> str:
