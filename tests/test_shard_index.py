@@ -1734,41 +1734,34 @@ def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, t
         index([str(tmp_path / "labels")], str(tmp_path / "no-labels"),
               IndexOptions(workers=0, progress=False))
     assert "of members cls, jpg" in str(refused.value) and "here:" not in str(refused.value)
-    # conversations under keys with dots (x.0, x.1: one sample x to webdataset), which no
-    # option reads apart: the dots named, not the --*-member options
     turns = json.dumps({"conversations": [{"from": "human", "value": "<image>\nWhat?"},
                                           {"from": "gpt", "value": "A photo."}]})
-    (tmp_path / "talk").mkdir()
-    with webdataset.TarWriter(str(tmp_path / "talk" / "talk-000000.tar")) as writer:
-        for number, photo in enumerate(photos):
-            writer.write({"__key__": f"x.{number}", "jpg": photo, "json": turns})
-    with pytest.raises(IndexInputError) as refused:
-        index([str(tmp_path / "talk")], str(tmp_path / "no-talk"),
-              IndexOptions(workers=0, progress=False))
-    assert str(refused.value).endswith(
+
+    def refusal(name: str, key: str, **members) -> str:
+        """What indexing a tar of ``members`` beside each photo, under keys ``key`` (a
+        format of the number), is refused with."""
+        (tmp_path / name).mkdir()
+        with webdataset.TarWriter(str(tmp_path / name / f"{name}-000000.tar")) as writer:
+            for number, photo in enumerate(photos):
+                writer.write({"__key__": key.format(number), "jpg": photo, **members})
+        with pytest.raises(IndexInputError) as refused:
+            index([str(tmp_path / name)], str(tmp_path / f"no-{name}"),
+                  IndexOptions(workers=0, progress=False))
+        return str(refused.value)
+    # conversations under keys with dots (x.0, x.1: one sample x to webdataset), which no
+    # option reads apart: the dots named, not the --*-member options
+    said = refusal("talk", "x.{}", json=turns)
+    assert said.endswith(
         "its keys hold a dot (a member '0.json'): webdataset's key ends at the first dot of a "
         "file name, so samples x.0 and x.1 are read as one sample x (no option reads them "
-        "apart): write the tar again with keys without dots"), refused.value
-    # one JSON member named otherwise (KEY.conv.json, its key without a dot): its option said
-    (tmp_path / "conv").mkdir()
-    with webdataset.TarWriter(str(tmp_path / "conv" / "conv-000000.tar")) as writer:
-        for number, photo in enumerate(photos):
-            writer.write({"__key__": f"x{number}", "jpg": photo, "conv.json": turns})
-    with pytest.raises(IndexInputError) as refused:
-        index([str(tmp_path / "conv")], str(tmp_path / "no-conv"),
-              IndexOptions(workers=0, progress=False))
-    assert str(refused.value).endswith("(here, where one is a conversation: --layout "
-                                       "conversation --json-member conv.json)"), refused.value
-    # two JSON members (KEY.conv.json, KEY.meta.json): both named, no dots said
-    (tmp_path / "multi").mkdir()
-    with webdataset.TarWriter(str(tmp_path / "multi" / "m-000000.tar")) as writer:
-        for number, photo in enumerate(photos):
-            writer.write({"__key__": f"x{number}", "jpg": photo, "conv.json": turns,
-                          "meta.json": '{"source": "x"}'})
-    with pytest.raises(IndexInputError) as refused:
-        index([str(tmp_path / "multi")], str(tmp_path / "no-multi"),
-              IndexOptions(workers=0, progress=False))
-    assert str(refused.value).endswith("--json-member conv.json or meta.json)"), refused.value
+        "apart): write the tar again with keys without dots"), said
+    # one JSON member named otherwise (KEY.conv.json, its key without a dot): its option said;
+    # two (KEY.conv.json, KEY.meta.json): both named, no dots said
+    said = refusal("conv", "x{}", **{"conv.json": turns})
+    assert said.endswith("(here, where one is a conversation: --layout conversation "
+                         "--json-member conv.json)"), said
+    said = refusal("multi", "x{}", **{"conv.json": turns, "meta.json": '{"source": "x"}'})
+    assert said.endswith("--json-member conv.json or meta.json)"), said
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         index([str(tmp_path / "src")], str(tmp_path / "idx"), IndexOptions(
