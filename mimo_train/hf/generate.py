@@ -436,7 +436,8 @@ class Generator:
 
     def _say_longer(self, prompt: int, new: int) -> None:
         """A line on stderr where the prompt and its answer may run past the longest sequence
-        the model trained on (``seq_length``): past it, what it answers is untested."""
+        the model trained on (``seq_length``): past it, what it answers is untested; and past
+        the positions its config gives (``max_position_embeddings``), where it does."""
         trained = self.preprocessor.config.seq_length
         config = (self.vlm if self.vlm is not None else self.language).config
         positions = getattr(getattr(config, "text_config", None) or config,
