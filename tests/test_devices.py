@@ -180,6 +180,35 @@ def test_an_environment_launch_that_cannot_join_is_one_message(monkeypatch, peer
                                        "too"), refused.value
 
 
+def test_a_rank_that_never_joins_torchruns_store_is_named(monkeypatch):
+    """torchrun's agent store of a 2-rank job whose rank 1 never comes (its mimo_train ended
+    before it joined: a mistyped option on its node): rank 0 stops after the run's collective
+    timeout with one StartupError naming rank 1 (torch's DistStoreError, with its traceback)."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from mimo_train.errors import StartupError
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                        ("TORCHELASTIC_RESTART_COUNT", "0")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(StartupError) as refused:
+        distributed.device_types("cpu", timedelta(seconds=1.5))
+    assert str(refused.value) == (
+        "rank(s) [1] never joined the job within train.collective_timeout_minutes (0.025): "
+        "their mimo_train stopped before it joined (a usage error, an import error: read "
+        "their node's log) or never started"), refused.value
+    del store
+
+
 def test_ranks_on_one_kind_of_device_are_not_mixed():
     assert devices.mixed(None) is None and devices.mixed(["cuda"] * 4) is None
     assert devices.mixed(["cpu", "cpu"]) is None

@@ -327,6 +327,16 @@ def test_unknown_key_message_lists_the_known_ones(tmp_path):
     message = load_error(tmp_path, "tokenizer: x\nseq_length: 64\nmodalities: {}\n")
     assert "is a preprocessing config (tokenizer and modalities at its top level), not a " \
         "training config: give it as the training config's data.preprocess" in message, message
+    # a model's config.json, or a folder, given as the training config: said as such
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen2_vl", '
+                                                    '"architectures": ["X"]}')
+    for given, said in ((tmp_path / "model" / "config.json", "is a transformers model's "
+                         f"config, not a training config: give its folder ({tmp_path / 'model'})"
+                         " as model.pretrained of a training config"),
+                        (tmp_path / "model", "is a folder: give the training config's YAML")):
+        with pytest.raises(TrainConfigError, match=re.escape(said)):
+            TrainConfig.load(str(given), [])
 
 
 # -------------------------------------------------------------------- malformed overrides

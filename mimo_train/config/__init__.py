@@ -418,6 +418,11 @@ def refuse_preprocessing_config(data: dict, path: str) -> None:
             f"{path} is a preprocessing config (tokenizer and modalities at its top level), "
             "not a training config: give it as the training config's data.preprocess "
             "(mimo-inspect: --config)")
+    if {"model_type", "architectures"} & set(data) and not {"model", "data"} & set(data):
+        raise TrainConfigError(
+            f"{path} is a transformers model's config, not a training config: give its folder "
+            f"({os.path.dirname(path)}) as model.pretrained of a training config (configs/train/"
+            "holds one per family, e.g. qwen2_vl_finetune.yaml)")
 
 
 @dataclass
@@ -441,6 +446,9 @@ class TrainConfig:
             try:
                 with open(path) as f:
                     data = load_yaml(f) or {}
+            except IsADirectoryError:
+                raise TrainConfigError(f"{path} is a folder: give the training config's YAML "
+                                       "file (configs/train/ holds one per family)") from None
             except OSError as error:
                 raise TrainConfigError(f"cannot read training config {path}: {error}") from None
             except yaml.YAMLError as error:

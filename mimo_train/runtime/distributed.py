@@ -106,7 +106,15 @@ def device_types(kind: str, timeout: timedelta) -> tuple[list[str], dist.Store] 
     # restarted by torchrun, or by a node joining an elastic job, finds the keys of the one
     # before in the store, which outlives both; a node joining keeps the restart count)
     store.set(keys[rank], f"{kind} {uuid.uuid4().hex}" if rank == 0 else kind)
-    store.wait(keys)
+    try:
+        store.wait(keys)
+    except dist.DistStoreError:      # the store's timeout: the run's collective timeout
+        missing = [each for each, key in enumerate(keys) if not store.check([key])]
+        raise StartupError(
+            f"rank(s) {missing} never joined the job within train.collective_timeout_minutes "
+            f"({timeout.total_seconds() / 60:g}): their mimo_train stopped before it joined (a "
+            "usage error, an import error: read their node's log) or never started", "device"
+            ) from None
     values = [value.decode() for value in store.multi_get(keys)]
     read = _DEVICE_KEY.format(attempt=attempt, join=_joins, rank="read")
     if store.add(read, 1) == world:
