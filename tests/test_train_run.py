@@ -525,6 +525,10 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
     assert job.stdout.count("mimo-train: resumed from step 6") == 3, job.stdout
     assert "the checkpoint was saved under layout" not in job.stdout      # its own layout
     assert "mimo-train: trains: every module in full\n" in job.stdout, job.stdout
+    # what the run will do, said before its first step
+    assert (f"mimo-train: steps 7 to 12 of global batch 4, precision fp32, lr 0.003 (warmup 1, "
+            f"cosine to 0.0003; language their own); checkpoints to {root} every 3 steps and "
+            "at the last\n") in job.stdout, job.stdout
     (record,) = train_records(read_records(tmp / "longer.jsonl"))
     assert record["step"] == 7
     language_lr = 1e-3, 3e-4 * 1e-3 / 3e-3

@@ -463,6 +463,17 @@ class Trainer:
         say(f"{PREFIX}layout {self.layout} on {self.world} rank(s), device "
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
             f"{run.micro_batch_size} per language DP rank per step")
+        opt, saved = self.cfg.optimizer, self.cfg.checkpoint
+        own = [name for name, module in opt.modules.items() if module.lr is not None]
+        say(f"{PREFIX}steps {self.step + 1} to {run.steps} of global batch "
+            f"{run.global_batch_size}, precision {run.precision}, lr {opt.lr:g} (warmup "
+            f"{opt.warmup_steps}, cosine to {opt.min_lr:g}"
+            f"{'; ' + ', '.join(own) + ' their own' if own else ''}); " + (
+                "no checkpoint (no checkpoint.dir)" if not saved.dir else
+                f"checkpoints to {saved.dir} every {every} steps and at the last" if every
+                else f"a checkpoint to {saved.dir} at the last step") + (
+                f", the newest {saved.keep_last} kept" if saved.dir and saved.keep_last
+                else ""))
         iterator = self.batches(self.loader, self.cfg.data.datasets)
         with ExitSignals(run.exit_signals, self.deadline) as signals, self.profile:
             while self.step < run.steps:
