@@ -654,8 +654,11 @@ def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys, du
     trainer = module.Trainer.__new__(module.Trainer)
     trainer.cfg = SimpleNamespace(
         train=SimpleNamespace(steps=6, exit_signals=["SIGTERM"], eval_interval=0,
-                              exit_interval=0, micro_batch_size=2, exit_duration_minutes=5),
-        checkpoint=SimpleNamespace(interval=2, dir="ck"), data=SimpleNamespace(datasets=["d"]))
+                              exit_interval=0, micro_batch_size=2, exit_duration_minutes=5,
+                              global_batch_size=2, precision="fp32"),
+        checkpoint=SimpleNamespace(interval=2, dir="ck", keep_last=None),
+        optimizer=SimpleNamespace(lr=1e-3, min_lr=1e-4, warmup_steps=0, modules={}),
+        data=SimpleNamespace(datasets=["d"]))
     trainer.deadline, trainer.step, trainer.stopped_by, trainer.samples = None, 0, 0, {}
     trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
     trainer.device, trainer.loader, trainer.step_samples = torch.device("cpu"), None, []
