@@ -1799,7 +1799,7 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
     completed): the newest N complete checkpoints up to it stay, and whatever ``latest``
     names; older ones go, with the interrupted saves among them; later ones (another run's,
     or being written) stay."""
-    from mimo_train.components.checkpoint import Lineage, prune
+    from mimo_train.components.checkpoint import prune
 
     for step, complete in ((2, True), (4, False), (6, True), (8, True), (10, True),
                            (12, True)):
@@ -1833,7 +1833,7 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
             (back / f"step_{step:07d}" / "integrity.json").write_text("{}")
     (back / "latest").write_text("step_0000008")
     deleted = prune(str(back), 2, str(back / "step_0000008"),
-                    Lineage(frozenset({"step_0000007"})))
+                    frozenset({"step_0000007"}))
     assert [os.path.basename(d) for d in deleted] == ["step_0000002", "step_0000004",
                                                       "step_0000005"]
     assert sorted(p.name for p in back.glob("step_*")) == [
@@ -1843,7 +1843,7 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
 def test_a_run_set_back_names_the_later_step_folders(tmp_path, capsys):
     """Resuming an earlier checkpoint than the folder's newest (``latest`` set back): the
     later complete checkpoints are named at start-up (the first four), with what becomes of
-    them, not an interrupted save (step 9's); the run's saves reach ``prune`` as its lineage
+    them, not an interrupted save (step 9's); the run's saves reach ``prune`` with them
     (those set back from, but the ones it wrote again), and each save's meta.json names them,
     so that a later resume of it keeps them out too."""
     from mimo_train.components import checkpoint
@@ -1873,9 +1873,9 @@ def test_a_run_set_back_names_the_later_step_folders(tmp_path, capsys):
         saver.save(8, None, {"step": 8})
     names = [f"step_{n:07d}" for n in (7, 8, 10, 11)]
     assert seen == [({"step": 6, "set_back_from": names},
-                     checkpoint.Lineage(frozenset(names))),
+                     frozenset(names)),
                     ({"step": 8, "set_back_from": [names[0], *names[2:]]},
-                     checkpoint.Lineage(frozenset([names[0], *names[2:]])))]
+                     frozenset([names[0], *names[2:]]))]
     # that run's step 8 resumed later: step 7, set back from before, is still not its own
     (tmp_path / "step_0000008" / "meta.json").write_text(json.dumps(seen[1][0]))
     capsys.readouterr()

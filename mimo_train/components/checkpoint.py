@@ -41,7 +41,7 @@ import re
 import shutil
 import socket
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -225,7 +225,7 @@ class Saver:
         """``keep_last``: once a save is complete, older checkpoints beyond the newest
         ``keep_last`` are deleted (``prune``); None: all are kept. ``resumed``: the step
         directory the run resumed: complete checkpoints after it (of a continuation set back
-        from) are said, and with those its ``meta.json`` names so (``ABANDONED``: set back
+        from) are said, and with those its ``meta.json`` names so (``SET_BACK_FROM``: set back
         from before it), neither counted nor deleted by ``prune`` unless this run writes
         them; each save's ``meta.json`` names them on."""
         use_forked_write_results()
@@ -238,7 +238,7 @@ class Saver:
             later = sorted(each for each in os.listdir(root) if re.fullmatch(STEP_NAME, each)
                            and each > name and os.path.isfile(
                                os.path.join(root, each, MANIFEST)))
-            self.abandoned = set(later) | set((meta_of(resumed) or {}).get(ABANDONED, []))
+            self.abandoned = set(later) | set((meta_of(resumed) or {}).get(SET_BACK_FROM, []))
             if later:
                 say(f"{PREFIX}{root} holds step folders after {name}, which this run "
                     f"resumed: {', '.join(later[:4])}{' ...' if len(later) > 4 else ''} (the "
@@ -252,8 +252,9 @@ class Saver:
         directory = step_dir(self.root, step)
         self.abandoned.discard(os.path.basename(directory))     # this run's own now
         request = _save_request(self.root, directory, step, state,
-                                {**meta, ABANDONED: sorted(self.abandoned)} if self.abandoned
-                                else meta, self.keep_last, Lineage(frozenset(self.abandoned)))
+                                {**meta, SET_BACK_FROM: sorted(self.abandoned)}
+                                if self.abandoned else meta, self.keep_last,
+                                frozenset(self.abandoned))
         if self.queue is None:
             try:
                 request.execute_sync()
@@ -295,33 +296,23 @@ class Saver:
 
 
 # meta.json's list of the complete checkpoints of continuations the run was set back from
-ABANDONED = "set_back_from"
-
-
-class Lineage(NamedTuple):
-    """The step folders that are a run's checkpoints: all but the ``abandoned`` ones (of
-    continuations it was set back from)."""
-    abandoned: frozenset[str] = frozenset()
-
-    def holds(self, name: str) -> bool:
-        return name not in self.abandoned
+SET_BACK_FROM = "set_back_from"
 
 
 def prune(root: str, keep_last: int, current: str,
-          lineage: Lineage | None = None) -> list[str]:
+          abandoned: frozenset[str] = frozenset()) -> list[str]:
     """Delete the step directories of ``root`` older than its newest ``keep_last`` complete
-    checkpoints up to ``current`` (the one just completed, which ``latest`` names), of the
-    run's ``lineage`` only (the complete checkpoints of a continuation it was set back from
-    are neither counted nor deleted; interrupted saves are anyone's); never ``current``, the
-    one ``latest`` names, nor one after ``current`` (being written, or a run's that resumed an
+    checkpoints up to ``current`` (the one just completed, which ``latest`` names), but the
+    ``abandoned`` ones (complete checkpoints of a continuation the run was set back from:
+    neither counted nor deleted; interrupted saves are anyone's); never ``current``, the one
+    ``latest`` names, nor one after ``current`` (being written, or a run's that resumed an
     earlier one). Rank 0, once ``latest`` is written; the deleted directories."""
     names = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name))
-    lineage = lineage or Lineage()
 
     def complete(name: str) -> bool:
         return os.path.isfile(os.path.join(root, name, MANIFEST))
     upto = [name for name in names if name <= os.path.basename(current) and (
-        lineage.holds(name) or not complete(name) or name == os.path.basename(current))]
+        name not in abandoned or not complete(name))]
     complete_ones = [name for name in upto if complete(name)]
     kept = set(complete_ones[-keep_last:]) | {os.path.basename(current)}
     named = latest(root)
@@ -428,7 +419,7 @@ _NO_RESULTS = "results_queue should not be empty"
 
 
 def _save_request(root: str, directory: str, step: int, state: TrainingState, meta: dict,
-                  keep_last: int | None = None, lineage: Lineage | None = None):
+                  keep_last: int | None = None, abandoned: frozenset[str] = frozenset()):
     """megatron-core's request for the save of ``state`` into ``directory`` (collective), its
     write extended by the writer's digests and its finalization by ``meta.json``, the manifest
     and ``latest`` (rank 0), in that order, then (``keep_last``) ``prune``."""
@@ -476,7 +467,7 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
                                   f"{LATEST} still names the previous one")
         if rank == 0 and keep_last:       # the others go on to the next collective
             try:
-                prune(root, keep_last, directory, lineage)
+                prune(root, keep_last, directory, abandoned)
             except OSError as error:      # the checkpoint is complete: the run goes on
                 say(f"{PREFIX}checkpoint.keep_last {keep_last}: old checkpoints in {root} "
                     f"not deleted ({type(error).__name__}: {error})")
