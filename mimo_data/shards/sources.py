@@ -891,8 +891,7 @@ def _first_line(path: str) -> bytes:
 def _json_array(path: str) -> bool:
     """Whether ``path``'s first character but a BOM and white space is '[': a JSON array
     (never read as lines: it may be one long)."""
-    with open(path, "rb") as data:
-        return data.read(4096).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
+    return _first_line(path).startswith(b"[")
 
 
 def _json_lines(path: str) -> bool:
