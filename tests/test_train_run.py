@@ -610,12 +610,13 @@ def test_the_validation_line_says_which_samples_an_evaluation_counts(monkeypatch
     assert ("every validation sample once" in output) == (eval_steps > per_epoch), output
 
 
-@pytest.mark.parametrize("during", ["SIGTERM", "deadline"])
-def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys, during):
+@pytest.mark.parametrize("during", ["SIGTERM", "deadline", "exit_interval"])
+def test_a_signal_a_time_limit_or_exit_interval_stops_on_its_step(monkeypatch, capsys, during):
     """An exit signal that comes while a step's checkpoint is saved, or the run's time limit
     passing then (in process: the loop with its steps, save and the ranks' agreement stubbed),
     stops the run on that checkpoint: no further step is trained and saved, which at real
-    sizes would spend the grace time twice."""
+    sizes would spend the grace time twice. A run without checkpoint.dir stopped by
+    train.exit_interval says that nothing was saved (a rerun starts over)."""
     import signal
     from types import SimpleNamespace
 
@@ -635,6 +636,8 @@ def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys, du
             pass
 
         def agreed(self):
+            if during == "exit_interval":
+                return 0
             return (signal.SIGTERM if during == "SIGTERM" else PAST_DEADLINE) if saved else 0
 
     class Profile:
@@ -654,9 +657,11 @@ def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys, du
     trainer = module.Trainer.__new__(module.Trainer)
     trainer.cfg = SimpleNamespace(
         train=SimpleNamespace(steps=6, exit_signals=["SIGTERM"], eval_interval=0,
-                              exit_interval=0, micro_batch_size=2, exit_duration_minutes=5,
+                              exit_interval=2 if during == "exit_interval" else 0,
+                              micro_batch_size=2, exit_duration_minutes=5,
                               global_batch_size=2, precision="fp32"),
-        checkpoint=SimpleNamespace(interval=2, dir="ck", keep_last=None),
+        checkpoint=SimpleNamespace(interval=2, dir=None if during == "exit_interval" else "ck",
+                                   keep_last=None),
         optimizer=SimpleNamespace(lr=1e-3, min_lr=1e-4, warmup_steps=0, modules={}),
         data=SimpleNamespace(datasets=["d"]))
     trainer.deadline, trainer.step, trainer.stopped_by, trainer.samples = None, 0, 0, {}
@@ -669,14 +674,18 @@ def test_a_signal_during_a_save_stops_on_that_checkpoint(monkeypatch, capsys, du
     trainer.train_step, trainer.batches = train_step, lambda loader, datasets: iter(())
     trainer.save, trainer.settle = lambda: saved.append(trainer.step), lambda: ([], [])
     trainer._anomalies, trainer.profile = lambda skipped, read: None, Profile()
-    trainer.saver = SimpleNamespace(poll=list, wait=list, release=lambda: None, queue=None)
+    trainer.saver = None if during == "exit_interval" else SimpleNamespace(
+        poll=list, wait=list, release=lambda: None, queue=None)
     trainer.metrics = SimpleNamespace(records=[], flush=lambda show=False: [],
                                       close=lambda: None)
     trainer._train()
-    assert saved == [2] and trainer.step == 2, saved
+    assert saved == ([] if during == "exit_interval" else [2]) and trainer.step == 2, saved
     assert trainer.stopped_by == (signal.SIGTERM if during == "SIGTERM" else 0)
-    assert ("mimo-train: SIGTERM received: stopped after step 2\n" if during == "SIGTERM" else
-            "mimo-train: train.exit_duration_minutes 5 passed: stopping after step 2\n") \
+    assert {"SIGTERM": "mimo-train: SIGTERM received: stopped after step 2\n",
+            "deadline": "mimo-train: train.exit_duration_minutes 5 passed: stopping after step "
+                        "2\n",
+            "exit_interval": "mimo-train: train.exit_interval 2: stopping at step 2 (no "
+                             "checkpoint.dir: nothing saved)\n"}[during] \
         in capsys.readouterr().out
 
 
