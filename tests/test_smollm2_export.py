@@ -568,6 +568,8 @@ def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys, tmp
                         *((["--prompt", "Hi", "--temperature", value], f"--temperature is "
                            f"{value}: it must be a finite number > 0") for value in ("0.0", "nan",
                                                                                    "inf")),
+                        (["--prompt", "Hi", "--temperature", "1", "--top-k", "0"],
+                         "--top-k is 0: it must be >= 1"),
                         *((["--prompt", "Hi", "--frames-fps", value], f"--frames-fps is {value}: "
                            "frames are taken 0.01 to 1000 a second") for value in ("0", "nan")),
                         # a rate of no folder of frames (a video file's is its own): refused,
@@ -612,6 +614,8 @@ def test_a_system_turn_one_path_and_a_long_prompt_are_taken_as_said(generator, a
     assert one.spliced == {"image": IMAGE_TOKENS}
     with pytest.raises(GenerateError, match="top_p 0.5 goes with temperature"):
         generator.generate("Hi", top_p=0.5)
+    with pytest.raises(GenerateError, match="top_k 5 goes with temperature"):
+        generator.generate("Hi", top_k=5)
     with pytest.raises(GenerateError, match="--frames-fps is the rate of a --video folder"):
         generator.generate("Hi", frames_fps=2.0)       # the API's too, not silently unused
     with pytest.raises(GenerateError, match="the system turn holds a <image> marker: it takes "
@@ -749,13 +753,16 @@ def test_no_thinking_on_a_template_without_it_is_said(generator, smollm2, capsys
 
 def test_sampling_is_reproducible_from_its_seed(generator):
     """At temperature 5 the next token is nearly uniform over 49k tokens: 6 of them repeat
-    only from the same seed, and never match the greedy answer by chance."""
+    only from the same seed, and never match the greedy answer by chance; ``top_k`` 1 (``--top-k
+    1``) leaves the likeliest token alone to draw: the greedy answer at any temperature."""
     prompt = "Name a colour."
     first, again, other = (generator.generate(prompt, max_new_tokens=6, temperature=5.0,
                                               seed=seed).token_ids for seed in (1, 1, 2))
     greedy = generator.generate(prompt, max_new_tokens=6).token_ids
     assert first == again
     assert first != other and first != greedy
+    assert generator.generate(prompt, max_new_tokens=6, temperature=5.0, seed=1,
+                              top_k=1).token_ids == greedy
 
 
 def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys, monkeypatch):
@@ -807,7 +814,8 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys, monke
         assert main(["--model", str(model), "--prompt", "Hi"]) == 2
         assert capsys.readouterr().err == f"mimo-generate: --model {model} {said}: give the " \
             "directory mimo-export wrote (it holds manifest.json)\n"
-    for flags in (["--seed", "3"], ["--top-p", "0.9", "--seed", "3"]):   # greedy: unused
+    for flags in (["--seed", "3"], ["--top-p", "0.9", "--seed", "3"],   # greedy: unused
+                  ["--top-k", "5"]):
         with pytest.raises(SystemExit) as exit_:
             main(["--model", str(smollm2.export), "--prompt", "Hi", *flags])
         assert exit_.value.code == 2

@@ -3,22 +3,22 @@ TEXT``: answer a prompt with a model written by ``mimo-export``.
 
 The prompt goes through training's preprocessing (``OUT/preprocess.yaml`` through
 ``Preprocessor.prompt``): one user turn holding the prompt, each ``<image>`` / ``<video>`` /
-``<audio>`` marker in it taking the next file of its modality (files without a marker in the
-prompt get one in front of it, images first, then videos), rendered with the chat template's
-generation prompt, each marker expanded to as many modality tokens as its item's encoder emits,
-the media decoded into the encoder inputs training uses (a video: its sampled frames only). Each
-encoder (``OUT/<module>``) and its projection turn those into embeddings, which replace the
-language model's input embeddings at the modality tokens, item by item (as megatron-core's
-``MimoModel`` splices them), and transformers' ``generate(inputs_embeds=...)`` of
-``OUT/language`` continues: greedy unless ``--temperature`` is given (then sampling with
-``--top-p`` from ``--seed``); it stops at the training tokenizer's EOS, which ends every
-trained answer, and at the model's own end ids. A whole VLM's export (``"vlm"`` in the manifest)
-runs through its own transformers class instead, on the same prompt tokens and training's
-normalized pixels (videos with their grids and, for Qwen2.5-VL, the seconds each temporal patch
-spans; Qwen2-VL's and Qwen2.5-VL's text after a clip positioned as training positions it,
-``families.qwen2_vl.use_published_positions``). Every part runs in ``--dtype`` (fp32 by
-default, or bf16) whatever dtype the export stores: the encoders are read in fp32 and cast
-(``precision.cast``: rotary frequencies stay fp32), the language model is loaded in it.
+``<audio>`` marker in it taking the next file of its modality (files without a marker in the prompt
+get one in front of it, images first, then videos), rendered with the chat template's generation
+prompt, each marker expanded to as many modality tokens as its item's encoder emits, the media
+decoded into the encoder inputs training uses (a video: its sampled frames only). Each encoder
+(``OUT/<module>``) and its projection turn those into embeddings, which replace the language model's
+input embeddings at the modality tokens, item by item (as megatron-core's ``MimoModel`` splices
+them), and transformers' ``generate(inputs_embeds=...)`` of ``OUT/language`` continues: greedy
+unless ``--temperature`` is given (then sampling with ``--top-p`` and ``--top-k`` from ``--seed``);
+it stops at the training tokenizer's EOS, which ends every trained answer, and at the model's own
+end ids. A whole VLM's export (``"vlm"`` in the manifest) runs through its own transformers class
+instead, on the same prompt tokens and training's normalized pixels (videos with their grids and,
+for Qwen2.5-VL, the seconds each temporal patch spans; Qwen2-VL's and Qwen2.5-VL's text after a clip
+positioned as training positions it, ``families.qwen2_vl.use_published_positions``). Every part runs
+in ``--dtype`` (fp32 by default, or bf16) whatever dtype the export stores: the encoders are read in
+fp32 and cast (``precision.cast``: rotary frequencies stay fp32), the language model is loaded in
+it.
 
 Exit codes: 0 answered; 1 a media file failed a check (a clip longer than the config allows,
 one that does not decode: corrupt, or no stream of its kind); 2 usage or config error (not an
@@ -111,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="sample at this temperature (default: greedy decoding)")
     parser.add_argument("--top-p", type=float, metavar="P",
                         help="nucleus sampling mass, with --temperature (default 1.0)")
+    parser.add_argument("--top-k", type=int, metavar="K",
+                        help="sample among the K likeliest tokens only, with --temperature "
+                        "(default: all of them)")
     parser.add_argument("--seed", type=SEED, metavar="S",
                         help="random seed of the sampling, with --temperature (default 0)")
     parser.add_argument("--no-thinking", action="store_true",
@@ -141,14 +144,18 @@ def main(argv=None) -> int:
     if args.temperature is not None and not 0 < args.temperature < math.inf:   # nan too
         parser.error(f"--temperature is {args.temperature}: it must be a finite number > 0 "
                      "(leave it out for greedy decoding)")
-    if args.temperature is None and (args.top_p is not None or args.seed is not None):
-        given = " and ".join(flag for flag, value in (("--top-p", args.top_p),
-                                                      ("--seed", args.seed)) if value is not None)
+    drawn = [flag for flag, value in (("--top-p", args.top_p), ("--top-k", args.top_k),
+                                      ("--seed", args.seed)) if value is not None]
+    if args.temperature is None and drawn:
+        given = " and ".join(drawn)
         parser.error(f"{given} go{'es' if ' and ' not in given else ''} with --temperature: "
                      "without it decoding is greedy, which draws nothing (give --temperature "
                      "T to sample)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p is {args.top_p}: it must be in (0, 1]")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k is {args.top_k}: it must be >= 1 (leave it out to sample among "
+                     "all tokens)")
     if args.frames_fps is not None:
         from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
         if not MIN_FPS <= args.frames_fps <= MAX_FPS:
@@ -166,6 +173,7 @@ def main(argv=None) -> int:
                                     max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature,
                                     top_p=1.0 if args.top_p is None else args.top_p,
+                                    top_k=args.top_k or 0,
                                     seed=args.seed or 0, thinking=not args.no_thinking,
                                     frames_fps=args.frames_fps, system=args.system)
     except GenerateError as error:
@@ -311,16 +319,19 @@ class Generator:
                  max_new_tokens: int = 64, temperature: float | None = None,
                  top_p: float = 1.0, seed: int = 0, videos: Sequence[str] = (),
                  thinking: bool = True, frames_fps: float | None = None,
-                 system: str | None = None) -> Generation:
+                 system: str | None = None, top_k: int = 0) -> Generation:
         """Answer ``prompt`` about the ``images``, ``videos`` and ``audios`` (file paths, or
         one path; a video a folder of frames taken ``frames_fps`` a second), after a
-        ``system`` turn where one is given; ``temperature`` samples (``top_p`` with it),
-        else decoding is greedy; ``thinking=False``: the template's ``enable_thinking`` false
-        (its default otherwise)."""
+        ``system`` turn where one is given; ``temperature`` samples (``top_p`` and ``top_k``,
+        0 for all tokens, with it), else decoding is greedy; ``thinking=False``: the
+        template's ``enable_thinking`` false (its default otherwise)."""
         import torch
-        if temperature is None and top_p != 1.0:
-            raise GenerateError(f"top_p {top_p} goes with temperature: without it decoding is "
-                                "greedy, which draws nothing")
+        if temperature is None and (top_p != 1.0 or top_k):
+            raise GenerateError(f"top_{'p' if top_p != 1.0 else 'k'} "
+                                f"{top_p if top_p != 1.0 else top_k} goes with temperature: "
+                                "without it decoding is greedy, which draws nothing")
+        if top_k < 0:
+            raise GenerateError(f"top_k is {top_k}: it must be >= 1, or 0 for all tokens")
         files = {modality: [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
                  for modality, paths in (("image", images), ("video", videos),
                                          ("audio", audios))}
@@ -356,7 +367,8 @@ class Generator:
             pad_token_id=self.preprocessor.text.pad_token_id, eos_token_id=self.stop_ids())
         if temperature is not None:
             torch.manual_seed(seed)
-            sampling.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+            # top_k 0 (all tokens) said, or the model's generation_config.json's would apply
+            sampling.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
         with torch.no_grad():
             new, spliced = (self._whole_vlm(ids, built.encoder_inputs, items, sampling)
                             if self.vlm else self._spliced(ids, built.encoder_inputs, sampling))
