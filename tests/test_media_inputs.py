@@ -682,6 +682,25 @@ def test_wav_and_ogg_files_cut_short_are_corrupt_not_shorter_clips(clips):
                 assert info.value.reason == "corrupt_audio", (fmt, check)
 
 
+def test_float_wav_with_nan_or_inf_samples_is_corrupt(clips):
+    """A float WAV (32- or 64-bit) holding NaN or infinite samples decodes to
+    NaN log-mels, and every step it is in trains a NaN loss (skipped). It is refused at build
+    under both checks, as a Parquet array holding NaN is; a finite float WAV past 1 is kept."""
+    _, wav, _ = next(c for c in clips if c[2]["frames"] > 10_000)
+    samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+    loud = encoded(samples * 5, rate, format="WAV", subtype="FLOAT")
+    assert probe_audio(loud)["frames"] == len(samples)
+    for bad in (np.nan, np.inf):
+        broken = samples.copy()
+        broken[len(samples) // 2] = bad
+        for subtype in ("FLOAT", "DOUBLE"):
+            data = encoded(broken, rate, format="WAV", subtype=subtype)
+            for check in ("decode", "header"):
+                with pytest.raises(MediaError, match="NaN or infinite") as info:
+                    probe_audio(data, check)
+                assert info.value.reason == "corrupt_audio"
+
+
 def test_wav_variants_and_other_containers(clips, corpus_photos, corpus_videos):
     """FFmpeg writes 24-bit PCM as WAVE_FORMAT_EXTENSIBLE (soundfile's WAVEX); RF64 and W64
     are WAV's 64-bit variants: all decode as the WAV. AAC in an .m4a (FFmpeg opens it, libsndfile

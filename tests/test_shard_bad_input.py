@@ -545,6 +545,37 @@ def case_video_frames_above_the_pixel_limit(tmp_path, assets):
                 f"{side * side - 1} (raise --max-image-pixels to keep it)")
 
 
+def case_a_video_of_a_codec_ffmpeg_has_no_decoder_for(tmp_path, assets):
+    """A clip whose codec (the sample entry's fourcc) FFmpeg does not know: PyAV gives its
+    stream no codec context; skipped as an unsupported codec, not an AttributeError that
+    stopped the build with no report."""
+    import av
+
+    clip = tmp_path / "unknown.mp4"
+    with av.open(str(clip), "w") as container:
+        stream = container.add_stream("libx264", rate=4)
+        stream.width = stream.height = 16
+        stream.pix_fmt = "yuv420p"
+        for _ in range(4):
+            frame = av.VideoFrame.from_ndarray(np.zeros((16, 16, 3), np.uint8), "rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode(None))
+    clip.write_bytes(clip.read_bytes().replace(b"avc1", b"zzzz"))
+    return Case({"id": "bad", "video": str(clip),
+                 "conversations": chat("<video>\nWhat happens?", "A still.")},
+                "unsupported_codec", detail="its video codec is one FFmpeg knows no decoder for")
+
+
+def case_a_float_wav_holding_nan(tmp_path, assets):
+    """A float WAV with a NaN sample decodes to NaN log-mels, every step it is in a NaN loss:
+    corrupt, as a Parquet array holding NaN is."""
+    samples, rate = soundfile.read(assets["wav"], dtype="float32")
+    samples[len(samples) // 2] = np.nan
+    soundfile.write(tmp_path / "nan.wav", samples, rate, subtype="FLOAT")
+    return Case(_audio_record(tmp_path / "nan.wav"), "corrupt_audio",
+                detail="float samples that are NaN or infinite")
+
+
 def case_media_path_not_a_string(tmp_path, assets):
     record = _image_record(assets["jpeg"])
     record["image"] = {"path": 42}
@@ -707,6 +738,37 @@ def test_bad_record_is_skipped_and_counted(capsys, request, tmp_path, assets, go
     assert f"{case.reason} 1" in summary[0]
     numbers = [int(n) for n in re.findall(r"\b\d+\b", summary[0].split("→")[0])]
     assert {len(records), len(good_records), 1} <= set(numbers), summary[0]
+
+
+def test_a_decoder_failing_unforeseen_skips_only_its_record(capsys, tmp_path, assets,
+                                                             good_records, monkeypatch):
+    """A decoding library failing on a file in a way no check foresaw (PyAV's stream without
+    a codec context was one) skips that record as ``corrupt_<modality>``, naming the file and
+    the error, and the build goes on (``--workers 0``: the probe patched in this process)."""
+    from mimo_data.modalities import MODALITIES
+
+    image = type(MODALITIES["image"])
+    probe, odd = image.probe, tmp_path / "odd.jpg"
+    shutil.copy(assets["jpeg"], odd)
+    marked = odd.read_bytes() + b"\0"              # the same photo, a byte apart: its own file
+    odd.write_bytes(marked)
+
+    def failing(self, data, *args):
+        if data == marked:
+            raise AttributeError("'NoneType' object has no attribute 'codec'")
+        return probe(self, data, *args)
+    monkeypatch.setattr(image, "probe", failing)
+    path = write_jsonl(tmp_path / "input.jsonl", [good_records[0], _image_record(odd),
+                                                 good_records[1]])
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress",
+                            "--workers", "0")
+    assert code == 0, err
+    skipped = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"]
+    assert list(skipped) == ["corrupt_image"] and skipped["corrupt_image"]["count"] == 1
+    assert skipped["corrupt_image"]["first"][0]["detail"] == (
+        f"image 0 ({odd}): reading it failed (AttributeError: 'NoneType' object has no "
+        "attribute 'codec'); if the file plays elsewhere, convert it with ffmpeg")
+    assert [row["id"] for row in samples_table(tmp_path / "out")] == ["good-1", "good-2"]
 
 
 def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_records):

@@ -123,6 +123,15 @@ def test_bad_clips_raise_their_reasons(clips, corpus):
         probe_video(ffv1.data)
     assert caught.value.reason == "unsupported_codec"
 
+    # a codec FFmpeg does not know (a proprietary fourcc in the sample entry): PyAV gives the
+    # stream no codec context; an unsupported codec, not an AttributeError that stops a build
+    unknown = clips["pan_h264_24"].data.replace(b"avc1", b"zzzz")
+    for check in ("header", "decode"):
+        with pytest.raises(MediaError) as caught:
+            probe_video(unknown, check)
+        assert caught.value.reason == "unsupported_codec", caught.value
+        assert "knows no decoder" in caught.value.detail, caught.value.detail
+
     with pytest.raises(MediaError) as caught:
         probe_video(clips["pan_h264_24"].data, max_seconds=1.0)
     assert caught.value.reason == "video_too_long" and "cut it into shorter clips first " \

@@ -76,7 +76,8 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
     header's count. An MP3 that states no length (``_length_estimated``) is decoded either way
     and its frames are the decoded ones. Either way a WAV or Ogg file cut short, or chained Ogg
     streams (``_cut_short``: libsndfile reads less than was recorded, as a whole clip), is
-    ``corrupt_audio``.
+    ``corrupt_audio``, as a float WAV holding a NaN or infinite sample is (decoded either way:
+    its log-mel features, and every step's loss it is in, would be NaN).
     Raises MediaError(``corrupt_audio`` | ``empty_audio`` | ``unsupported_format``).
     """
     if not data:
@@ -86,11 +87,18 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
             fmt = sound.format.lower()
             sample_rate, channels, frames = sound.samplerate, sound.channels, sound.frames
             estimated = _length_estimated(data, fmt)
-            if check == "decode" or estimated:
+            floats = sound.subtype in ("FLOAT", "DOUBLE")    # the only ones holding NaN / inf
+            if check == "decode" or estimated or floats:
                 # read() returns the frames that decode; blocks() would pad a short last read
                 decoded = 0
-                while block := len(sound.read(1 << 16, dtype="float32", always_2d=True)):
-                    decoded += block
+                while len(chunk := sound.read(1 << 16, dtype="float32", always_2d=True)):
+                    if floats and not (finite := np.isfinite(chunk).all(axis=1)).all():
+                        first = decoded + int(np.argmin(finite))
+                        raise MediaError("corrupt_audio", "float samples that are NaN or "
+                                         f"infinite (frame {first} the first): the log-mel "
+                                         "features, and the loss, would be NaN; re-export the "
+                                         "clip")
+                    decoded += len(chunk)
                 if estimated:
                     frames = decoded
                 elif decoded != frames:

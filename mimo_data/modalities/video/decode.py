@@ -90,6 +90,11 @@ def probe_video(data: bytes, check: str = "decode",
             raise MediaError("unsupported_format", f"an image ({fmt.removesuffix('_pipe')}), "
                              "not a video: give it as an image item, or a folder of frames "
                              "as a video (mimo-shard build --frames-fps)")
+        if stream.codec_context is None:   # a codec (fourcc) FFmpeg has no decoder for
+            raise MediaError("unsupported_codec", "its video codec is one FFmpeg knows no "
+                             f"decoder for; re-encode it first as one of "
+                             f"{listed(VIDEO_CODECS)} (ffmpeg -i IN -c:v libx264 -pix_fmt "
+                             "yuv420p OUT.mp4, with the FFmpeg that plays it)")
         codec = stream.codec_context.codec.canonical_name
         if fmt not in VIDEO_EXTENSIONS:     # its stream copied where mp4 takes the codec
             how = ("ffmpeg -i IN -c copy OUT.mp4 keeps its streams as they are"
