@@ -538,6 +538,25 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
     assert dropped.value.reason == "template_mismatch"
 
 
+def test_template_whose_generation_blocks_hold_the_role_header_is_refused_at_start():
+    """A {% generation %} block opened before an answer's role header would train
+    ``<|im_start|>assistant`` (the generation prompt the model is given at inference) with
+    every answer: refused at start-up, as text trained after an answer is, never trained
+    silently (``mimo-inspect report``'s loss_mask_coverage does not see role headers)."""
+    header = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+              "<|im_start|>assistant\n{{ m['content'] }}<|im_end|>\n{% endgeneration %}"
+              "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with pytest.raises(ConfigError, match=r"its \{% generation %\} blocks hold the generation "
+                       "prompt"):
+        Preprocessor(config(chat_template=header), with_media=False)
+    # the block opened after the header: the answer and its end of turn, as the
+    # tokenizer's own template trains them
+    after = header.replace("{% generation %}<|im_start|>assistant\n",
+                           "<|im_start|>assistant\n{% generation %}")
+    Preprocessor(config(chat_template=after), with_media=False)
+
+
 def test_template_that_writes_answers_without_their_content_is_refused_at_start(
         reference_tokenizer, tmp_path):
     """A template that writes an answer's header and end but not its content (reading

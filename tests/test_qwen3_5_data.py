@@ -427,6 +427,10 @@ def test_a_checkpoint_trains_through_its_own_template_unless_it_is_the_published
         return made
     template = COPIES[QWEN3_5_PUBLISHED_SHA256]
     assert preprocessing_for(str(published))["chat_template"] == str(template)
+    # the published text saved with a newline at its end (an editor's): Jinja drops it, the
+    # same template, so mimo's copy all the same (not every multi-turn sample dropped)
+    from mimo_data.preprocess.templates import copy_of
+    assert copy_of((published / "chat_template.jinja").read_text() + "\n") == template
     resaved = folder("resaved")
     AutoProcessor.from_pretrained(published).save_pretrained(resaved)
     assert preprocessing_for(str(resaved))["chat_template"] == str(template)

@@ -271,12 +271,22 @@ class ChatRenderer:
             wrong = next((piece for piece in written
                           if _without(piece.rpartition(_ANSWER_PROBE)[2], self._end_tokens)
                           .strip()), None)
+            # before an answer: never the generation prompt (a {% generation %} block opened
+            # before the role header would train <|im_start|>assistant, the prompt's tokens)
+            prompt = self.generation_prompt.strip()
+            if wrong is None and prompt:
+                wrong = next((piece for piece in written
+                              if prompt in piece.partition(_ANSWER_PROBE)[0]), None)
             if wrong is None and len(written) == sum(m["role"] == "assistant" for m in probe):
                 continue
             shown = wrong if wrong is not None else next(
                 (piece for piece in trained if _ANSWER_PROBE not in piece), "")
             why = ("its {% generation %} blocks hold the answer's end but not its content: "
                    "put the content inside them" if wrong is None and _ANSWER_PROBE in text
+                   else "its {% generation %} blocks hold the generation prompt (the role "
+                   "header) the model is given, not only what it writes: open them after it"
+                   if wrong is not None and prompt and prompt in wrong.partition(
+                       _ANSWER_PROBE)[0]
                    else "does it read message['text'] or typed parts where a message's content "
                    "is message['content'], a string? Mend it")
             raise ConfigError(
