@@ -291,14 +291,32 @@ def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records, 
             preprocessor(typed)
         assert dropped.value.reason == "literal_special_token" and \
             f"({where}) holds '{token}'" in str(dropped.value), dropped.value
-    # an assistant turn first: the template's prefixes disagree, and the reason is said
-    answer_first = dict(record, messages=[m for m in record["messages"] if m["role"] != "user"])
-    with pytest.raises(SampleDropped) as dropped:
-        preprocessor(answer_first)
-    assert dropped.value.reason == "template_mismatch" and \
-        "an assistant turn with no user turn before it" in str(dropped.value) and \
-        "start the conversation with a user turn (or a system turn)" in str(dropped.value), \
-        dropped.value
+
+
+@pytest.mark.parametrize("template", ["tokenizer's", "Qwen2-VL's"])
+def test_a_conversation_opening_with_a_greeting_trains_it_not_the_system_prompt(records, plain,
+                                                                               template):
+    """An assistant turn first (a chatbot's greeting): SmolLM2's and Qwen2-VL's templates
+    write their default system prompt once there are turns, which the render of no turns
+    lacks; the greeting is trained to its end of turn, the system prompt is not (it was
+    dropped as template_mismatch), and the text is the template's own."""
+    preprocessor = plain if template == "tokenizer's" else Preprocessor(config(
+        chat_template=json.loads((REPO / "tools" / "published" / "Qwen--Qwen2-VL-2B-Instruct" /
+                                  "chat_template.json").read_text())["chat_template"]),
+        with_media=False)
+    record = next(r for r in records if not r["media"])
+    greeting = {"role": "assistant", "content": "Hello! How can I help?"}
+    opened = dict(record, messages=[greeting, *record["messages"]])
+    encoded, alone = preprocessor(opened), preprocessor(record)
+    tokenizer = preprocessor.text.tokenizer
+    trained = tokenizer.decode(encoded.labels[encoded.loss_mask.bool()])
+    assert trained == "Hello! How can I help?<|im_end|>" + tokenizer.decode(
+        alone.labels[alone.loss_mask.bool()]), trained
+    text = tokenizer.decode(encoded.input_ids)
+    assert text.startswith("<|im_start|>system\n") and \
+        "<|im_end|>\n<|im_start|>assistant\nHello! How can I help?<|im_end|>\n" in text, text
+    assert tokenizer.decode(encoded.input_ids[:int(encoded.loss_mask.bool().nonzero()[0]) + 1]) \
+        .endswith("<|im_start|>assistant\n"), text
 
 
 @pytest.mark.parametrize("fmt, reason", [("jpeg", "corrupt_image"), ("wav", "corrupt_audio")])

@@ -410,6 +410,8 @@ class ChatRenderer:
             before = self._render(messages[:i], generation_prompt=True, tools=tools)
             after = text if i == len(messages) - 1 else self._render(messages[:i + 1],
                                                                      tools=tools)
+            if i == 0 and not after.startswith(before):
+                before = self._opening_prefix(message, before, tools) or before
             # a template that ends the whole text with the EOS (Phi-3's, where no answer is
             # prompted): the turn is its render less that EOS
             if not text.startswith(after) and after.endswith(self._eos) and \
@@ -436,6 +438,15 @@ class ChatRenderer:
                                     "turn)" if first else _rewritten(before, after, text)))
             spans.append((len(before), len(after)))
         return spans
+
+    def _opening_prefix(self, message, prompt: str, tools) -> str | None:
+        """What a conversation that opens with an assistant turn (a greeting) renders before
+        its answer, where that ends with the generation prompt ``prompt`` (the template's
+        render of no turns) and the template writes more before it once there are turns (the
+        default system prompt of Qwen2-VL's and SmolLM2's templates); else None."""
+        probe = self._render([{**message, "content": _ANSWER_PROBE}], tools=tools)
+        prefix, found, _ = probe.partition(_ANSWER_PROBE)
+        return prefix if found and prefix.endswith(prompt) else None
 
     def _skeleton(self, roles: tuple[str, ...]) -> _Skeleton | None:
         """The skeleton of conversations with these roles (None: the template does not insert
