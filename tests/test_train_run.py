@@ -663,7 +663,7 @@ def test_a_signal_a_time_limit_or_exit_interval_stops_on_its_step(monkeypatch, c
         checkpoint=SimpleNamespace(interval=2, dir=None if during == "exit_interval" else "ck",
                                    keep_last=None),
         optimizer=SimpleNamespace(lr=1e-3, min_lr=1e-4, warmup_steps=0, modules={}),
-        data=SimpleNamespace(datasets=["d"]))
+        data=SimpleNamespace(datasets=["d"]), warmup_steps=lambda: (0, None))
     trainer.deadline, trainer.step, trainer.stopped_by, trainer.samples = None, 0, 0, {}
     trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
     trainer.device, trainer.loader, trainer.step_samples = torch.device("cpu"), None, []
@@ -1527,6 +1527,8 @@ def test_frozen_module_keeps_its_weights_under_another_layout(frozen):
     result = frozen["result"]
     assert "mimo-train: optimizer.warmup_steps 3 clamped to 0 for a 1-step run" in \
         result.stdout
+    assert re.search(r"mimo-train: steps 1 to 1 of global batch \d+, precision \w+, lr "
+                     r"[\d.e-]+ \(warmup 0, cosine", result.stdout), result.stdout   # the run's
     # start-up phases, one step, summary: no third-party warning on the way
     assert "Warning" not in result.stderr, result.stderr[-5000:]
     for line in ("process groups ready (", "model built (", "optimizer and schedule ready (",

@@ -467,7 +467,7 @@ class Trainer:
         own = [name for name, module in opt.modules.items() if module.lr is not None]
         say(f"{PREFIX}steps {self.step + 1} to {run.steps} of global batch "
             f"{run.global_batch_size}, precision {run.precision}, lr {opt.lr:g} (warmup "
-            f"{opt.warmup_steps}, cosine to {opt.min_lr:g}"
+            f"{self.cfg.warmup_steps()[0]}, cosine to {opt.min_lr:g}"
             f"{'; ' + ', '.join(own) + ' their own' if own else ''}); " + (
                 "no checkpoint (no checkpoint.dir)" if not saved.dir else
                 f"checkpoints to {saved.dir} every {every} steps and at the last" if every
