@@ -89,6 +89,8 @@ def remake(index: dict) -> str:
 
 def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     """The bytes of ``directory``'s index.json (DatasetError when there is none)."""
+    if storage.is_remote(directory):    # a URL's mistake said of the URL given, not its file
+        storage.check_scheme(directory)
     energon = energon_dataset_of(directory)
     if energon is not None:
         raise DatasetError(energon_metadata_given(directory, energon), missing=True)
