@@ -501,14 +501,26 @@ def test_resampled_length_is_torchaudios(clips):
     assert resampled_length(meta["frames"], 16000, 16000) == meta["frames"]
 
 
-def test_truncate_policy_cuts_long_clips(clips):
+def test_truncate_policy_cuts_long_clips(clips, monkeypatch):
+    """The cut clip's samples are the whole clip's resampled, cut: a long clip decoded up to
+    the cut and a margin only (a 20-minute clip whole took seconds for 30 s kept)."""
     cfg = AudioConfig(max_duration=1.5, long_audio="truncate")
     limit = int(1.5 * cfg.sample_rate)
+    read, frames_read = soundfile.SoundFile.read, []
+
+    def counted(self, *args, **kwargs):
+        frames_read.append(len(samples := read(self, *args, **kwargs)))
+        return samples
+    monkeypatch.setattr(soundfile.SoundFile, "read", counted)
     waveforms = [decode_audio(data, cfg) for _, data, _ in clips]
+    monkeypatch.undo()
     full = [reference_waveform(data, cfg) for _, data, _ in clips]
     assert any(len(f) > limit for f in full) and any(len(f) <= limit for f in full)
     for waveform, reference in zip(waveforms, full):
         assert np.array_equal(waveform, reference[:limit])
+    longest = max(range(len(clips)), key=lambda i: clips[i][2]["duration"])
+    assert clips[longest][2]["duration"] > 3 and \
+        frames_read[longest] < clips[longest][2]["frames"] / 2, frames_read
     inputs = audio_encoder_inputs(waveforms, cfg)
     assert max(inputs["feature_lens"].tolist()) == limit // cfg.hop_length
     assert audio_rows_to_tokens(inputs, cfg) == [

@@ -353,12 +353,19 @@ WHISPER_N_FFT = 400
 MIN_AUDIO_SAMPLES = WHISPER_N_FFT // 2 + 1
 
 
+# Frames decoded past a truncated clip's cut: the resampler's filter reads this far beyond an
+# output sample (torchaudio's sinc window and swresample's filter are far shorter), so the kept
+# samples are those of the whole clip resampled.
+RESAMPLE_MARGIN = 2048
+
+
 def decode_audio(data: bytes, cfg: AudioConfig, frames: int | None = None) -> np.ndarray:
     """Encoded audio → mono float32 samples at ``cfg.sample_rate``.
 
-    A clip longer than ``max_duration`` is cut with ``long_audio="truncate"``; with ``"drop"``
-    it raises MediaError(``audio_too_long``) for the caller to count. Undecodable bytes, or
-    another frame count than ``frames`` (the shard metadata's; default the header's), raise
+    A clip longer than ``max_duration`` is cut with ``long_audio="truncate"`` (its frames past
+    the cut, and ``RESAMPLE_MARGIN``, not decoded); with ``"drop"`` it raises
+    MediaError(``audio_too_long``) for the caller to count. Undecodable bytes, or another
+    frame count than ``frames`` (the shard metadata's; default the header's), raise
     MediaError(``corrupt_audio``): the token counts follow the metadata.
     """
     try:
@@ -368,13 +375,19 @@ def decode_audio(data: bytes, cfg: AudioConfig, frames: int | None = None) -> np
             # opening starts 6.5 ms early, as soundfile.read and ffmpeg do not
             sound.seek(0)
             rate, stated, fmt = sound.samplerate, sound.frames, sound.format.lower()
-            samples = sound.read(dtype="float32", always_2d=True)
+            # a clip the cut shortens, of a length its header states: read up to the cut (a
+            # 20-minute clip whole took seconds and its waveform's memory, for 30 s kept)
+            keep = math.ceil(cfg.max_duration * rate) + RESAMPLE_MARGIN
+            cut = cfg.long_audio == "truncate" and stated > keep and \
+                not _length_estimated(data, fmt)
+            samples = sound.read(keep if cut else -1, dtype="float32", always_2d=True)
     except Exception as exc:  # libsndfile errors come as soundfile.LibsndfileError / RuntimeError
         raise _undecodable(exc, data) from None
-    if frames is None and len(samples) != stated and not _length_estimated(data, fmt):
-        raise MediaError("corrupt_audio", _truncated(len(samples), stated))
-    if frames is not None and len(samples) != frames:
-        raise MediaError("corrupt_audio", f"{len(samples)} frames decode, the shard metadata "
+    decoded = stated if cut and len(samples) == keep else len(samples)
+    if frames is None and decoded != stated and not _length_estimated(data, fmt):
+        raise MediaError("corrupt_audio", _truncated(decoded, stated))
+    if frames is not None and decoded != frames:
+        raise MediaError("corrupt_audio", f"{decoded} frames decode, the shard metadata "
                          f"says {frames}: the file is cut short (a build's --check decode "
                          "refuses it) or changed since the build")
     if audio_too_long(len(samples), rate, cfg):
