@@ -576,6 +576,10 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
         {"id": "zero", "audio_filepath": clip, "duration": 0, "text": "unknown length"},
         # a transcript holding a marker: said of the transcript, not of turns it has not
         {"id": "marker", "audio_filepath": clip, "duration": seconds, "text": "an <audio> tag"},
+        # NeMo's segment start: 0 is the whole file; a string of it a mistake said as one
+        {"id": "offset-0", "audio_filepath": clip, "offset": 0, "text": "kept"},
+        {"id": "offset-text", "audio_filepath": clip, "offset": "0", "text": "bad"},
+        {"id": "offset-1", "audio_filepath": clip, "offset": 1.5, "text": "a segment"},
     ]
     (tmp_path / "empty.wav").write_bytes(b"")
     # a .json manifest is known as JSONL by its first line: only a .jsonl may start broken
@@ -585,7 +589,7 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
 
     report = read_json(tmp_path / "out" / "report.json")
     written = _samples_by_id(tmp_path / "out")
-    assert sorted(written) == ["exact", "no-duration", "rounded"]
+    assert sorted(written) == ["exact", "no-duration", "offset-0", "rounded"]
     assert all(r["messages"][1]["content"] == "kept" for r, _ in written.values())
     skipped = {reason: [(f["location"], f["detail"]) for f in entry["first"]]
                for reason, entry in report["skipped_by_reason"].items()}
@@ -598,8 +602,12 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
     assert f"'duration' is 2 s but the file holds {seconds:g} s" in segment[1]
     assert "cut each segment into a file of its own" in segment[1]
     assert "its data chunk states" in truncated[1] and "a shorter clip" in truncated[1]
-    [(location, detail), (pred, named)] = skipped.pop("malformed_record")
+    [(location, detail), (pred, named), (text_offset, said), (segment_offset, segmented)] = \
+        skipped.pop("malformed_record")
     assert location == f"{path}:{first + 5}" and f"'duration' of {clip} is '7.1'" in detail
+    assert text_offset == f"{path}:{first + 11}" and said == f"'offset' of {clip} is '0': give " \
+        "where the segment starts in seconds (0 for the whole file), or leave the field out"
+    assert segment_offset == f"{path}:{first + 12}" and "non-zero 'offset'" in segmented
     [(location, detail)] = skipped.pop("empty_audio")
     assert location == f"{path}:{first + 7}" and \
         detail == "audio 0 (empty.wav): empty audio file (0 bytes)", detail

@@ -539,7 +539,14 @@ class SpeechManifest:
                               f"'audio_filepath' and 'text'; this one has {given}, no string "
                               f"{' nor '.join(map(repr, lacking))} (under another key? "
                               "rename it)")
-        if record.get("offset"):
+        offset = record.get("offset")
+        if offset is not None and not (isinstance(offset, (int, float)) and
+                                       not isinstance(offset, bool) and math.isfinite(offset)
+                                       and offset >= 0):
+            raise RecordError("malformed_record", f"'offset' of {audio} is {offset!r}: give "
+                              "where the segment starts in seconds (0 for the whole file), or "
+                              "leave the field out")
+        if offset:
             raise RecordError("malformed_record", "segments with a non-zero 'offset' are not "
                               "supported; cut the clip into its own file first")
         # 0 (what manifest writers give an empty file): the file's probe says what it holds
