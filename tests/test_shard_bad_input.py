@@ -489,7 +489,15 @@ def case_video_as_a_folder_of_frames(tmp_path, assets):
     (frames / "00001.jpg").write_bytes(assets["jpeg"].read_bytes())
     return Case({"id": "bad", "video": str(frames),
                  "conversations": chat("<video>\nWhat happens?", "A pan.")},
-                "missing_media", detail="is a folder, not a media file")
+                "missing_media", detail="is a folder, not a media file: a video's frames are "
+                "read with --frames-fps")
+
+
+def case_audio_as_a_folder(tmp_path, assets):
+    """A folder where a speech clip goes: no word of video frames (said of videos alone)."""
+    (tmp_path / "clips").mkdir()
+    return Case(_audio_record(tmp_path / "clips"), "missing_media",
+                detail="clips is a folder, not a media file: give the audio file itself")
 
 
 def case_media_path_a_dangling_link(tmp_path, assets):

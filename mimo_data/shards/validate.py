@@ -209,9 +209,10 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None,
                               "paths: write it with / (and without a drive letter)"
                               if windows else "") + ")") from None
     except IsADirectoryError:   # a video as a folder of its frames (LLaVA-Hound's, say)
-        raise RecordError("missing_media", f"{full} is a folder, not a media file: a video's "
-                          "frames are read with --frames-fps, the rate they were taken at "
-                          "(LLaVA-Hound's: 2, TVQA's: 3)") from None
+        raise RecordError("missing_media", f"{full} is a folder, not a media file" + (
+            ": a video's frames are read with --frames-fps, the rate they were taken at "
+            "(LLaVA-Hound's: 2, TVQA's: 3)" if modality == "video" else
+            f": give the {modality} file itself")) from None
     except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
         shown = f"{full[:200]!r}" + (f"... ({len(full)} characters)" if len(full) > 200 else "")
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
