@@ -119,6 +119,23 @@ def test_llava_1_5_with_append_eos_false_or_true():
     assert np.array_equal(on.encode(messages, items).ids, auto.encode(messages, items).ids)
 
 
+def test_an_empty_answer_beside_one_out_of_the_loss_is_named():
+    """llava-1.5's template writes no {% generation %} block for an empty answer (no typed
+    part): with an answer of weight 0 in the conversation the spans cannot be matched to the
+    answers, and the empty answer is named as why, not the template's blocks."""
+    from mimo_data.preprocess.chat_render import TextError
+    turns = [("user", "Q"), ("assistant", ""), ("user", "Q2"), ("assistant", "B"),
+             ("user", "Q3"), ("assistant", "C")]
+    messages = _messages(turns)
+    messages[3]["weight"] = 0
+    with pytest.raises(TextError, match=r"writes 2 answer span\(s\) for 3 answers, so the "
+                       "answers with weight 0 cannot be left out of the loss: answer 1 is "
+                       "empty, and the template writes no {% generation %} block for an empty "
+                       "answer: give it text, or leave the turn out") as error:
+        _encoder(LLAVA_1_5).encode(messages, [])
+    assert error.value.reason == "template_mismatch"
+
+
 def test_the_preprocessor_counts_the_appended_eos():
     """Token counts (what the token table records) include one EOS per answer."""
     from mimo_data.preprocess.preprocessor import Preprocessor

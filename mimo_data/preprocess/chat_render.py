@@ -576,10 +576,16 @@ def _weighed(messages: Sequence[Mapping[str, Any]], spans: list) -> list:
     if all(trained):
         return spans
     if len(trained) != len(spans):
+        answers = [message["content"] for message in messages if message["role"] == "assistant"]
+        blank = [k for k, content in enumerate(answers) if not content or (
+            isinstance(content, str) and not content.strip())]
         raise TextError("template_mismatch", f"the chat template writes {len(spans)} answer "
                         f"span(s) for {len(trained)} answers, so the answers with weight 0 "
-                        "cannot be left out of the loss: give it one {% generation %} block "
-                        "an answer")
+                        "cannot be left out of the loss: " + (
+                            f"answer {blank[0] + 1} is empty, and the template writes no "
+                            "{% generation %} block for an empty answer: give it text, or "
+                            "leave the turn out" if blank else
+                            "give it one {% generation %} block an answer"))
     return [span for span, kept in zip(spans, trained) if kept]
 
 
