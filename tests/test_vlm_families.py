@@ -712,6 +712,57 @@ def test_a_siglip_llava_tower_and_projector_give_transformers_image_features(tmp
     assert (ours - theirs).abs().max() <= TOLERANCE
 
 
+def test_a_clip_llava_tower_read_at_its_embeddings_gives_transformers_image_features(
+        tmp_path, corpus):
+    """``vision_feature_layer`` -(depth + 1) reads the tower's embeddings (transformers takes
+    it): the tower mimo builds keeps a layer, as one of no layers returns no hidden states
+    (an IndexError in step 1 before)."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration)
+
+    from mimo_data.modalities.image import ImageConfig, decode_image, image_encoder_inputs
+    from mimo_data.preprocess.preprocessor import media_item
+    from mimo_train.families.llava import LlavaVision
+    from mimo_train.families.registry import read_vlm
+    torch.manual_seed(0)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=48,
+                                       num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=56, patch_size=14),
+        text_config=LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                num_attention_heads=4, vocab_size=300),
+        image_token_index=299, vision_feature_layer=-3, vision_feature_select_strategy="default")
+    LlavaForConditionalGeneration(config).save_pretrained(tmp_path)
+    model = LlavaForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    image = ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14,
+                        crop=True, mean=(0.48145466, 0.4578275, 0.40821073),
+                        std=(0.26862954, 0.26130258, 0.27577711))
+    data = [(corpus / "images" / name).read_bytes() for name in NAMES]
+    pixels = image_encoder_inputs([decode_image(d, media_item("image", d, 0)["orientation"],
+                                                image) for d in data], image)["pixel_values"]
+    tower = LlavaVision(image, 0, 0, 0, pretrained=read_vlm(str(tmp_path))).eval()
+    with torch.no_grad():
+        ours = tower(pixels)
+        theirs = model.model.vision_tower(normalize_pixels(pixels, image),
+                                          output_hidden_states=True).hidden_states[-3][:, 1:]
+    assert ours.shape == (2 * 16, 32)
+    assert (ours - theirs.reshape(-1, 32)).abs().max() <= TOLERANCE
+
+
+def test_split_media_takes_a_llava_tower():
+    """A LLaVA tower encodes each image alone and data.split_media deals whole images: a
+    fan-in layout may cut a language rank's images over its ranks (refused before, while the
+    LayoutError for such a layout's micro-batch names data.split_media as the way out)."""
+    from mimo_train.config import TrainConfig
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.plan import resolve
+    checkpoint = FAMILIES["llava"][0]
+    resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={checkpoint}",
+                                    "layout=image=dp2;language=dp1", "data.split_media=true",
+                                    "train.micro_batch_size=1", "train.global_batch_size=2"]),
+            PreprocessConfig.from_dict(preprocessing_for(str(checkpoint))))
+
+
 def test_a_checkpoint_without_its_image_processor_says_what_to_do(tmp_path):
     """A VLM saved without its processor files (``model.save_pretrained`` alone):
     ``--preprocessing-for`` cannot read the image settings and says where they come from."""

@@ -111,7 +111,9 @@ def tower_config(config) -> tuple[Any, list[int]]:
     norm and SigLIP's pooling head would take compute and never a gradient."""
     vision = copy.deepcopy(config.vision_config)
     layers = [layer % (vision.num_hidden_layers + 1) for layer in _feature_layers(config)]
-    vision.num_hidden_layers = max(layers)
+    # feature layer 0 (-(depth + 1)) is the embeddings: a tower of no layers returns no
+    # hidden states, so one layer is kept (its output unread)
+    vision.num_hidden_layers = max(max(layers), 1)
     if hasattr(vision, "vision_use_head"):
         vision.vision_use_head = False
     return vision, layers
@@ -120,6 +122,9 @@ def tower_config(config) -> tuple[Any, list[int]]:
 class LlavaVision(Encoder):
     """A LLaVA checkpoint's tower: fixed-size images → ``[n · (S/P)², hidden · layers]``."""
     takes = ("image", "fixed")
+    # images are never cut (Image.cut_units is 1) and each is encoded alone: data.split_media
+    # only deals whole images over the fan-in ranks, which gives the same rows
+    frame_independent = True
 
     @staticmethod
     def pretrained_output_size(config) -> int:
