@@ -449,14 +449,22 @@ def test_a_video_modality_for_llava_s_tower_says_the_model_takes_none():
     ({"vision_feature_layer": -5}, "vision_feature_layer -5, past its tower's hidden states "
                                    "\\(-4 to 3: the embeddings, then 3 layers"),
     ({"vision_feature_layer": [-2, 4]}, "vision_feature_layer 4, past"),
+    # a language model mimo cannot build: said of the key the user set, not of
+    # model.language.pretrained
+    ({"text_config": "gemma"}, "^model.pretrained's language model: .* is a 'gemma' model; the "
+                               "language model can be built from llama, qwen2"),
 ])
 def test_llava_variants_mimo_cannot_take_are_refused(tmp_path, change, reason):
-    from transformers import AutoConfig, SiglipVisionConfig
+    from transformers import AutoConfig, GemmaConfig, SiglipVisionConfig
     config = AutoConfig.from_pretrained(FAMILIES["llava"][0])
+    made = {"siglip": lambda: SiglipVisionConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        image_size=56, patch_size=14), "gemma": lambda: GemmaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=16, vocab_size=config.text_config.vocab_size)}
     for key, value in change.items():
-        setattr(config, key, SiglipVisionConfig(
-            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-            image_size=56, patch_size=14) if value == "siglip" else value)
+        setattr(config, key, made[value]() if isinstance(value, str) and value in made
+                else value)
     config.save_pretrained(tmp_path)
     with pytest.raises(TrainConfigError, match=reason):
         from mimo_train.config import TrainConfig

@@ -79,7 +79,7 @@ def language_plan(language: LanguageConfig, pretrained: str | None,
                   source: str = "model.language.pretrained") -> LanguagePlan:
     """``model.language`` resolved; ``pretrained``: its checkpoint (a whole VLM's or its own;
     read from ``config.json`` alone, no weights), which the config key ``source`` gives."""
-    arch = language_arch(pretrained, weights=False) if pretrained else None
+    arch = language_arch(pretrained, source, weights=False) if pretrained else None
     dims = {name: getattr(language, name) for name in (*LANGUAGE_DEFAULTS, "ffn_hidden_size")}
     section = language.mrope_section
     if arch is None:
