@@ -470,6 +470,10 @@ def test_llava_variants_mimo_cannot_take_are_refused(tmp_path, change, reason):
         from mimo_train.config import TrainConfig
         from mimo_train.plan import resolve
         resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={tmp_path}"]))
+    if "text_config" in change:         # mimo-train --preprocessing-for refuses it too
+        from mimo_train.families.registry import preprocessing_for
+        with pytest.raises(TrainConfigError, match="^--preprocessing-for's language model: "):
+            preprocessing_for(str(tmp_path), "--preprocessing-for")
 
 
 def test_llava_configs_transformers_misreads_or_cannot_read_are_refused(tmp_path):

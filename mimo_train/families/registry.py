@@ -142,6 +142,8 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
 
     from mimo_data.preprocess.tokenizer_loading import processor_chat_template
     vlm = read_vlm(path, key)
+    # a language model mimo cannot build refused now, not at the training's start
+    language_arch(path, f"{key}'s language model", weights=False)
     directory = model_directory(path)
     image_processor = processor_settings(directory, "image")
     if image_processor is None:
