@@ -1183,6 +1183,17 @@ def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
     result = json.loads(out)
     assert code == 2 and result["valid"] is False and "8" in result["problem"] and \
         result["layout"].startswith("language=tp1,cp1,pp1,dp3"), result
+    # a layout that does not parse (the language module misspelt): JSON too, as given, the
+    # near name said
+    code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
+                         "langauge=dp2;image=dp1;audio=dp1", "--global-batch-size", "8",
+                         "--micro-batch-size", "2", "--json")
+    assert code == 2 and json.loads(out) == {
+        "layout": "langauge=dp2;image=dp1;audio=dp1", "valid": False,
+        "problem": "no 'language' module among langauge, image, audio (module 'langauge' is "
+                   "named close to it: misspelt?): megatron-core's MimoModel needs exactly one "
+                   "module named 'language'"}, out
+    assert "error: --layout langauge=dp2;image=dp1;audio=dp1: no 'language' module" in err
     # --split-media is the advisor's: a plan of one layout draws whole micro-batches, so it is
     # refused there rather than ignored
     code, _, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",

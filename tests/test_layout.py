@@ -260,12 +260,13 @@ def test_expert_parallelism_parses_and_keeps_the_module_size(tmp_path):
                           "add etp1 to the module"]),
     ("language=tp2,dp2,ep4", ["etp2 (etp is tp unless given) x ep4 = 8 does not divide tp x cp "
                               "x dp = 4", "choose an ep that divides 2 (cp x dp, etp being tp)"]),
-    ("language=dp2,ep4,etp2", ["choose an ep and an etp whose product divides it"]),
+    ("language=dp2,ep4,etp2", ["choose an ep and an etp whose product divides it, e.g. "
+                               "ep2,etp1"]),
     ("language=dp4,ep3", ["ep3", "does not divide"]),
     # etp given over what fits beside the ep: the etp is what to change, not the ep
     ("language=dp2,ep2,etp2", ["etp2 x ep2 = 4 does not divide tp x cp x dp = 2",
                                "choose an etp that divides 1 (tp x cp x dp / ep2), e.g. etp1"]),
-    ("language=dp2;image=dp2,ep2", ["'image'", "encoder has none"]),
+    ("language=dp2;image=dp2,ep2", ["module 'image' has ep2: expert", "encoder has none"]),
     # said so where its ep would not fit its ranks either, not as an ep to choose
     ("language=dp2;image=dp1,ep2", ["'image'", "encoder has none"]),
 ])

@@ -60,17 +60,22 @@ CASES = {
         "of whole layers): use pp1 or pp2"),
     "language_heads_split": Case(
         "qwen2-vl", "image=dp1,video;language=tp4", (),
-        "2 query groups (key/value heads), which do not split into language tp4"),
+        "2 query groups (key/value heads), which do not split into language tp4: use tp1 or "
+        "tp2"),
     "language_mlp_split": Case(
         "qwen3-vl-moe", "image=dp1,video;language=dp5,etp5", (),
         "the language model's experts are 24 wide (the checkpoint's moe_intermediate_size), "
         "which the experts' etp5 does not divide", batch=5),
     "linear_attention_heads_split": Case(
         "qwen3.5", "image=dp1,video;language=tp4", (),
-        "gated delta-net layers have 2 key heads, which do not split into language tp4"),
+        "gated delta-net layers have 2 key heads, which do not split into language tp4: use "
+        "tp1 or tp2"),
     "language_context_parallel_heads": Case(
         "qwen2-vl", "image=dp1,video;language=cp8", (),
-        "language cp8 splits each tensor-parallel rank's 4 attention heads"),
+        "language cp8 splits each tensor-parallel rank's 4 attention heads (the model's 4 "
+        "over tp1) over its context-parallel ranks (mimo's context parallelism is an all-to-all "
+        "over heads; ring attention, for heads cp does not divide, is not built): use cp1, cp2 "
+        "or cp4"),
     "language_context_parallel_colocated": Case(
         "qwen2-vl", "language=cp2;image=dp2,off0,video", (),
         "language cp2 in a colocated layout: megatron-core's colocated bridge takes no context "
@@ -80,7 +85,9 @@ CASES = {
         advisor_says="feeds image with a variable token count per sample"),
     "language_context_parallel_linear_attention": Case(
         "qwen3.5", "image=dp1,video;language=cp4", (),
-        "language cp4 splits each tensor-parallel rank's 2 gated delta-net key heads"),
+        "language cp4 splits each tensor-parallel rank's 2 gated delta-net key heads (the "
+        "model's 2 over tp1) over its context-parallel ranks (all-to-all over heads): use cp1 or "
+        "cp2"),
     "encoders_run_whole": Case(
         "qwen2-vl", "image=tp2,video;language=dp1", (),
         "encoder module 'image' has tp 2"),
@@ -112,7 +119,8 @@ CASES = {
         "parallelism", {"sequence_parallel": False}),
     "expert_parallel_needs_experts": Case(
         "qwen3-vl", "image=dp1,video;language=dp2,ep2", (),
-        "expert parallelism, but its layers are dense"),
+        "the layout gives the language module ep2, expert parallelism, but its layers are "
+        "dense"),
     "balancing_loss_needs_experts": Case(
         "qwen3-vl", "image=dp1,video;language=dp1", ("model.language.moe_aux_loss=0.01",),
         "a mixture of experts' load-balancing loss, but the language model's layers are dense"),

@@ -496,6 +496,12 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
               "batch that is a multiple of micro batch × the language module's dp",
               file=sys.stderr)
         return 2
+    if args.layout is not None:         # a layout that does not parse: refused as one
+        from mimo_data.loading.layout import Layout, LayoutError
+        try:
+            Layout.parse(args.layout)
+        except LayoutError as error:
+            return _refused_layout(args, str(error))
     if args.gpus is None and args.model is not None and args.layout is not None and not clip:
         # one layout checked against the trainer's rules for that model, then drawn as below
         if layout_refusal is None:
@@ -509,13 +515,8 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
         if packing is not None:                # the run's: the plan drawn below is its
             args.packing = packing
         if reason is not None:
-            if args.json:                      # as a plan's refused layout (plan.run_plan)
-                json.dump({"layout": _layout_named(args.layout), "valid": False,
-                           "problem": reason}, sys.stdout, indent=1)
-                print()
-            print(f"mimo-inspect plan: error: --layout {args.layout}: mimo-train refuses it "
-                  f"for --model {args.model}: {reason}", file=sys.stderr)
-            return 2
+            return _refused_layout(args, reason,
+                                   f"mimo-train refuses it for --model {args.model}: ")
         if split:                              # checked, but not drawn rank by rank
             from mimo_data.loading.loader import DataSource
             DataSource([args.directory], config, cache_dir=args.cache_dir,    # DIR is one
@@ -618,6 +619,17 @@ def _skipped_record(directory: str, record_id: str) -> str | None:
         return (f"the index skipped samples of key {record_id!r} in {len(found)} tars "
                 f"({places}{', ...' if len(found) > 4 else ''}): give TAR/KEY")
     return found[0][1] if found else None
+
+
+def _refused_layout(args, reason: str, by: str = "") -> int:
+    """Exit status 2 for a refused ``--layout``: said on stderr, and with ``--json`` as a
+    plan's refused layout is (``plan.run_plan``) on stdout."""
+    if args.json:
+        json.dump({"layout": _layout_named(args.layout), "valid": False, "problem": reason},
+                  sys.stdout, indent=1)
+        print()
+    print(f"mimo-inspect plan: error: --layout {args.layout}: {by}{reason}", file=sys.stderr)
+    return 2
 
 
 def _layout_named(text: str) -> str:

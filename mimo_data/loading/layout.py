@@ -105,7 +105,8 @@ class ModuleLayout:
                 raise LayoutError(f"module {self.name!r}: {dim} is {value!r}; it must be an "
                                   f"integer >= {0 if dim == 'rank_offset' else 1}")
         if self.name != LANGUAGE and self.expert_fields:
-            raise LayoutError(f"module {self.name!r} has {self.expert_fields}: expert "
+            given = ",".join(f"{name}{value}" for name, value in self.expert_fields.items())
+            raise LayoutError(f"module {self.name!r} has {given}: expert "
                               f"parallelism splits the {LANGUAGE!r} module's "
                               "mixture-of-experts layers; an encoder has none: remove them")
         spread = self.tp * self.cp * self.dp
@@ -120,7 +121,9 @@ class ModuleLayout:
                 remedy = (f"choose an ep that divides {spread // self.tp} (cp x dp, etp being "
                           "tp), or add etp1 to the module (each expert whole on its ranks)")
             else:
-                remedy = "choose an ep and an etp whose product divides it"
+                near = max(n for n in range(1, self.ep + 1) if spread % n == 0)
+                remedy = (f"choose an ep and an etp whose product divides it, e.g. "
+                          f"ep{near},etp1")
             raise LayoutError(
                 f"module {self.name!r}: etp{self.expert_tp}"
                 f"{' (etp is tp unless given)' if self.etp is None else ''} x ep{self.ep} = "
@@ -259,8 +262,10 @@ class Layout:
         if duplicates:
             raise LayoutError(f"module(s) {listed(duplicates)} named twice; give each module once")
         if LANGUAGE not in names:
-            raise LayoutError(f"no {LANGUAGE!r} module among {listed(names)}: megatron-core's "
-                              f"MimoModel needs exactly one module named {LANGUAGE!r}")
+            close = difflib.get_close_matches(LANGUAGE, names, n=1, cutoff=0.75)
+            raise LayoutError(f"no {LANGUAGE!r} module among {listed(names)}" + (
+                f" (module {close[0]!r} is named close to it: misspelt?)" if close else "") +
+                f": megatron-core's MimoModel needs exactly one module named {LANGUAGE!r}")
         defaults = {n: _default_modality(n) for n in names if n != LANGUAGE}
         mapping = {modality: n for n, modality in defaults.items() if modality}
         mapping.update(self.modalities)

@@ -10,6 +10,7 @@ the advisor checks thousands of candidates with the trainer's own rules.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -87,14 +88,20 @@ def check(facts: Facts, layout: Layout, settings: Settings) -> None:
 
 # ------------------------------------------------------------------------- the layout
 
+def _choices(field: str, count: int) -> str:
+    """The values of a layout ``field`` (tp, pp, cp) that divide ``count``, as a message
+    offers them: ``tp1, tp2 or tp4``."""
+    fits = [f"{field}{n}" for n in range(1, count + 1) if count % n == 0]
+    return f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
+
+
 @rule
 def language_layers_split(facts: Facts, layout: Layout, settings: Settings) -> str | None:
     pp = layout.language.pp
     if facts.layers % pp:
-        fits = [n for n in range(1, facts.layers + 1) if facts.layers % n == 0]
         return (f"the language model has {facts.layers} layers, which do not split into "
                 f"language pp{pp} (pipeline stages of equal numbers of whole layers): use "
-                f"{', '.join(f'pp{n}' for n in fits[:-1])} or pp{fits[-1]}" if len(fits) > 1 else
+                f"{_choices('pp', facts.layers)}" if facts.layers > 1 else
                 f"the language model has {facts.layers} layer, which does not split into "
                 f"language pp{pp} (pipeline stages of whole layers): use pp1")
     return None
@@ -107,7 +114,8 @@ def linear_attention_heads_split(facts: Facts, layout: Layout, settings: Setting
     for what, count in zip(("key", "value"), facts.linear_heads or ()):
         if count % tp:
             return (f"the language model's gated delta-net layers have {count} {what} heads, "
-                    f"which do not split into language tp{tp}: make tp divide them")
+                    f"which do not split into language tp{tp}: use "
+                    f"{_choices('tp', math.gcd(*(facts.linear_heads or ())))}")
     return None
 
 
@@ -118,7 +126,8 @@ def language_heads_split(facts: Facts, layout: Layout, settings: Settings) -> st
                         ("query groups (key/value heads)", facts.query_groups)):
         if count % tp:
             return (f"the language model has {count} {what}, which do not split into "
-                    f"language tp{tp}: make tp divide them")
+                    f"language tp{tp}: use "
+                    f"{_choices('tp', math.gcd(facts.heads, facts.query_groups))}")
     return None
 
 
@@ -152,7 +161,7 @@ def language_context_parallel_heads(facts: Facts, layout: Layout, settings: Sett
         return (f"language cp{cp} splits each tensor-parallel rank's {heads} attention heads "
                 f"(the model's {facts.heads} over tp{tp}) over its context-parallel ranks "
                 "(mimo's context parallelism is an all-to-all over heads; ring attention, for "
-                f"heads cp does not divide, is not built): make cp divide {heads}")
+                f"heads cp does not divide, is not built): use {_choices('cp', heads)}")
     return None
 
 
@@ -176,8 +185,8 @@ def language_context_parallel_linear_attention(facts: Facts, layout: Layout,
         if cp > 1 and (count // tp) % cp:
             return (f"language cp{cp} splits each tensor-parallel rank's {count // tp} gated "
                     f"delta-net {what} heads (the model's {count} over tp{tp}) over its "
-                    "context-parallel ranks (all-to-all over heads): make cp divide "
-                    f"{count // tp}")
+                    "context-parallel ranks (all-to-all over heads): use "
+                    f"{_choices('cp', count // tp)}")
     return None
 
 
@@ -285,7 +294,8 @@ def expert_parallel_needs_experts(facts: Facts, layout: Layout, settings: Settin
                                   ) -> str | None:
     fields = layout.language.expert_fields
     if fields and not facts.experts:
-        return (f"the layout gives the language module {fields}, expert parallelism, but its "
+        given = ",".join(f"{name}{value}" for name, value in fields.items())
+        return (f"the layout gives the language module {given}, expert parallelism, but its "
                 "layers are dense (no mixture of experts): remove ep/etp from the layout")
     return None
 
