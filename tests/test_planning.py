@@ -611,10 +611,15 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
             resolve(cfg)                # the trainer's start-up: raises what it refuses
     # the start-up line's memory settings: a module that trains nothing says so, not the
     # optimizer settings that hold nothing for it
-    frozen = resolve(TrainConfig.load(str(path), ["model.freeze=[image]",
-                                                  "optimizer.distributed=true"]))
+    frozen = resolve(TrainConfig.load(str(path), ["model.freeze=[image]", "layout=image=dp2;"
+                                                  "language=dp2", "optimizer.distributed=true"]))
     assert frozen.memory_summary().split("; ") == ["image: frozen",
                                                    "language: distributed optimizer"]
+    # over one rank of dp x cp it shards nothing: said, not left to read as sharded
+    alone = resolve(TrainConfig.load(str(path), ["model.freeze=[image]", "layout=image=dp1;"
+                                                 "language=dp1", "optimizer.distributed=true"]))
+    assert alone.memory_summary().split("; ") == [
+        "image: frozen", "language: distributed optimizer (dp x cp 1: nothing to shard)"]
     # --packing against the YAML's data.packing: false
     code, _, err = _plan(capsys, loader_corpus, preprocess, variant, "--gpus", 4, "--packing",
                          main=main)

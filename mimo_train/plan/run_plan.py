@@ -167,8 +167,11 @@ class RunPlan:
             if not self.trains(name):
                 parts.append(f"{name}: frozen")
                 continue
-            own = module.optimizer
-            settings = [*(["distributed optimizer"] if own.distributed else []),
+            own, ranks = module.optimizer, self.layout.module(name)
+            # it shards the optimizer state over the module's dp x cp ranks: over one, none
+            sharded = "distributed optimizer" + (
+                "" if ranks.dp * ranks.cp > 1 else " (dp x cp 1: nothing to shard)")
+            settings = [*([sharded] if own.distributed else []),
                         *([f"recompute {module.recompute}"] if module.recompute != "none"
                           else []),
                         *(["sequence parallel"] if name == LANGUAGE
