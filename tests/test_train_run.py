@@ -1423,14 +1423,16 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(ranks, 
 MEMORY = {
     "dp2": (["optimizer.distributed=true", "model.language.recompute=full",
              "model.encoders.image.recompute=full"],
-            "memory: image: distributed optimizer, recompute full; audio: distributed "
-            "optimizer; language: distributed optimizer, recompute full)"),
+            "memory: image: distributed optimizer (dp x cp 1: nothing to shard), recompute "
+            "full; audio: distributed optimizer (dp x cp 1: nothing to shard); language: "
+            "distributed optimizer, recompute full)"),
     # sequence parallelism takes no packed rows (unpacked: the same samples and losses)
     "tp2": (["data.packing=false", "model.language.sequence_parallel=true",
              "model.language.recompute=selective",
              "optimizer.modules={language: {distributed: true, overlap_grad_reduce: true}}"],
-            "memory: image: -; audio: -; language: distributed optimizer, recompute "
-            "selective, sequence parallel, overlapped grad reduce)"),
+            "memory: image: -; audio: -; language: distributed optimizer (dp x cp 1: "
+            "nothing to shard), recompute selective, sequence parallel, overlapped grad "
+            "reduce)"),
     # context parallelism: packed rows cut over two ranks (the optimizer's state sharded over
     # dp x cp)
     "cp2": (["optimizer.modules={language: {distributed: true}}"],
