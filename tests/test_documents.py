@@ -324,7 +324,9 @@ def test_build_writes_documents_and_captions_and_counts_the_bad_ones(built):
         ("document", "A cat:\n<image>\nIt sleeps."), ("caption", "An astronaut."),
         ("document", "Intro.\n<image>\nOutro."), ("document", "Only text then\n<image>"),
         ("document", "Emptied pieces around it:\n<image>"),
-        ("document", "<image>\nA cat.\n<image>\n<image>\nIt sleeps.\nThe end.")]
+        # MMC4's text_list is sentences: those between two images joined by a space, as
+        # OpenFlamingo joins them (not one sentence a line)
+        ("document", "<image>\nA cat.\n<image>\n<image>\nIt sleeps. The end.")]
     assert all("messages" not in r for r in records)
     assert [[m["path"] for m in r["media"]] for r in records] == [
         ["chelsea.jpg"], ["astronaut.jpg"], ["c.jpg"], ["astronaut.jpg"], ["e.jpg"],

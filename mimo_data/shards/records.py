@@ -639,7 +639,8 @@ def mmc4_document(text_list, image_info) -> tuple[list, list]:
     where OpenFlamingo's shards embed it, ``image_base64``) as the parallel ``texts`` and
     ``images`` of ``normalize_document``: each image just before the sentence it is matched
     to, as OpenFlamingo places them (several matched to one sentence in their order in
-    ``image_info``). Every image is kept, whatever its ``matched_sim``.
+    ``image_info``), the sentences between two images one piece joined by spaces. Every image
+    is kept, whatever its ``matched_sim``.
 
     RecordError ``malformed_record`` naming the sentence or image that is not of that form.
     """
@@ -670,9 +671,15 @@ def mmc4_document(text_list, image_info) -> tuple[list, list]:
                               f"{len(text_list)} sentences")
         embedded = info.get("image_base64")
         before[index].append({"bytes": embedded, "path": name} if embedded else name)
+    # MMC4's text_list holds a document's sentences (not paragraphs): joined by a space, as
+    # OpenFlamingo joins them, not a trained newline after each
     texts: list = []
     images: list = []
     for sentence, matched in zip(text_list, before):
+        if not matched and texts and texts[-1] is not None:
+            if sentence.strip():
+                texts[-1] = f"{texts[-1]} {sentence}" if texts[-1].strip() else sentence
+            continue
         texts += [None] * len(matched) + [sentence]
         images += [*matched, None]
     return texts, images
