@@ -685,6 +685,13 @@ def case_a_document_and_a_conversation_in_one_record(tmp_path, assets):
                 "is one document, conversation or caption pair")
 
 
+def case_a_document_of_empty_lists(tmp_path, assets):
+    """``texts: []`` (and ``images: []``): an empty document said as one, not as a record
+    without a 'texts' document."""
+    return Case({"id": "doc", "texts": [], "images": []}, "malformed_record",
+                detail="an empty document: its 'texts' list holds no text")
+
+
 def case_a_document_whose_images_are_no_list(tmp_path, assets):
     """A text-only document without 'images' (or one image given as a string): said as what
     'images' is, not as lists of different lengths."""

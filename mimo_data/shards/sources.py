@@ -459,6 +459,9 @@ class ConversationFile:
                               f"e.g. jq -c '. + {{caption: .{transcript}}} | "
                               f"del(.{transcript})' FILE > pairs.jsonl, or write a NeMo "
                               "manifest (audio_filepath, duration, text)")
+        if turns is None and record.get("texts") == []:
+            raise RecordError("malformed_record", "an empty document: its 'texts' list holds "
+                              "no text (leave the record out)")
         if turns is None:
             raise RecordError("malformed_record", f"no conversation: the record has the keys "
                               f"{listed(map(repr, sorted(record)[:12]))}, and mimo reads "
