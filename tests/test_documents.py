@@ -484,6 +484,14 @@ def test_an_mmc4_record_not_of_its_form_is_skipped_saying_which_part(tmp_path):
                        r"\['<image>'\]") as refused:
         mmc4_document(["Plain.", "Has <image> typed.", "End."], [image, image])
     assert refused.value.reason == "marker_mismatch"
+    # MMC4 as a Parquet table (its text_list and image_info columns): said as MMC4, with the
+    # way to its JSONL (not a --texts-column that reads no row)
+    from mimo_data.shards.sources import SourceError
+    pq.write_table(pa.table({"url": ["u"], "text_list": [["A cat."]], "image_info": [[image]]}),
+                   tmp_path / "mmc4.parquet")
+    with pytest.raises(SourceError, match="mmc4.parquet: MMC4's columns text_list and "
+                       "image_info: MMC4 is read from its JSON / JSONL records"):
+        build_dataset([tmp_path / "mmc4.parquet"], tmp_path / "from-parquet")
 
 
 def test_inspect_finds_an_answer_after_a_user_turn_ending_in_its_image(qwen):

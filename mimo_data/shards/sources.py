@@ -627,6 +627,12 @@ class ParquetTable:
         # preference training's columns, read to refuse its rows (``_refuse_preference``)
         self.preference = tuple(name for name in PREFERENCE_KEYS if name in names)
         found = [role for role in ("texts", "conversation", "caption") if self.columns[role]]
+        if not found and {"text_list", "image_info"} <= names:
+            raise SourceError(f"{path}: MMC4's columns text_list and image_info: MMC4 is read "
+                              "from its JSON / JSONL records (mimo-shard build FILE.jsonl); "
+                              "write the table as JSONL first, e.g. pandas' "
+                              "read_parquet(...).to_json('mmc4.jsonl', orient='records', "
+                              "lines=True)")
         if not found:
             # a speech table's transcript column, as the hub's ASR sets name it
             transcript = next((c for c in TRANSCRIPT_COLUMNS if c in names), None)
