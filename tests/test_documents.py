@@ -489,7 +489,7 @@ def test_an_mmc4_record_not_of_its_form_is_skipped_saying_which_part(tmp_path):
     from mimo_data.shards.sources import SourceError
     pq.write_table(pa.table({"url": ["u"], "text_list": [["A cat."]], "image_info": [[image]]}),
                    tmp_path / "mmc4.parquet")
-    with pytest.raises(SourceError, match="mmc4.parquet: MMC4's columns text_list and "
+    with pytest.raises(SourceError, match="mmc4.parquet holds MMC4's columns text_list and "
                        "image_info: MMC4 is read from its JSON / JSONL records"):
         build_dataset([tmp_path / "mmc4.parquet"], tmp_path / "from-parquet")
 

@@ -574,6 +574,14 @@ def case_a_video_of_a_codec_ffmpeg_has_no_decoder_for(tmp_path, assets):
                 "unsupported_codec", detail="its video codec is one FFmpeg knows no decoder for")
 
 
+def case_audio_that_is_a_video_of_a_codec_ffmpeg_has_no_decoder_for(tmp_path, assets):
+    """The same clip given as audio: said as a video without sound, not an AttributeError
+    (PyAV's stream of no codec context) read as corrupt audio."""
+    case_a_video_of_a_codec_ffmpeg_has_no_decoder_for(tmp_path, assets)    # writes unknown.mp4
+    return Case(_audio_record(tmp_path / "unknown.mp4"), "unsupported_format",
+                detail="a video without sound (a codec FFmpeg has no decoder for in mov")
+
+
 def case_a_float_wav_holding_nan(tmp_path, assets):
     """A float WAV with a NaN sample decodes to NaN log-mels, every step it is in a NaN loss:
     corrupt, as a Parquet array holding NaN is."""
@@ -687,9 +695,9 @@ def case_a_document_and_a_conversation_in_one_record(tmp_path, assets):
 
 def case_a_document_of_empty_lists(tmp_path, assets):
     """``texts: []`` (and ``images: []``): an empty document said as one, not as a record
-    without a 'texts' document."""
-    return Case({"id": "doc", "texts": [], "images": []}, "malformed_record",
-                detail="an empty document: its 'texts' list holds no text")
+    without a 'texts' document: ``empty_document``, as a Parquet table's row of them is."""
+    return Case({"id": "doc", "texts": [], "images": []}, "empty_document",
+                detail="the document has no text")
 
 
 def case_a_document_whose_images_are_no_list(tmp_path, assets):
@@ -782,7 +790,7 @@ def test_a_decoder_failing_unforeseen_skips_only_its_record(capsys, tmp_path, as
     assert list(skipped) == ["corrupt_image"] and skipped["corrupt_image"]["count"] == 1
     assert skipped["corrupt_image"]["first"][0]["detail"] == (
         f"image 0 ({odd}): reading it failed (AttributeError: 'NoneType' object has no "
-        "attribute 'codec'); if the file plays elsewhere, convert it with ffmpeg")
+        "attribute 'codec'); if the file opens elsewhere, convert it with ffmpeg")
     assert [row["id"] for row in samples_table(tmp_path / "out")] == ["good-1", "good-2"]
 
 

@@ -234,10 +234,11 @@ def _undecodable(exc: Exception, data: bytes) -> MediaError:
                                   "as an image (the record's image field), not as audio")
             try:
                 with av.open(io.BytesIO(data)) as container:
-                    found = [f"{stream.codec_context.name} in {container.format.name}"
-                             for stream in container.streams.audio]
-                    video = [f"{stream.codec_context.name} in {container.format.name}"
-                             for stream in container.streams.video]
+                    # a stream of a codec FFmpeg has no decoder for has no codec context
+                    found, video = ([f"{_codec_name(stream)} in {container.format.name}"
+                                     for stream in streams]
+                                    for streams in (container.streams.audio,
+                                                    container.streams.video))
             except av.FFmpegError:
                 found = video = []
             if found:
@@ -247,6 +248,12 @@ def _undecodable(exc: Exception, data: bytes) -> MediaError:
                                   "not audio: give it as a video (the record's video field)")
         exc = exc.error_string
     return MediaError("corrupt_audio", f"soundfile cannot decode the audio: {exc}")
+
+
+def _codec_name(stream) -> str:
+    """A stream's codec as FFmpeg names it, or said to be one it has no decoder for."""
+    context = stream.codec_context
+    return context.name if context is not None else "a codec FFmpeg has no decoder for"
 
 
 def _image_format(data: bytes) -> str | None:

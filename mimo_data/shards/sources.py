@@ -415,7 +415,10 @@ class ConversationFile:
         turns = conversation_turns(record)
         if turns is None and _are_exchanges(record.get("texts")):
             turns = record["texts"]         # the_cauldron's rows written as JSON(L)
-        elif record.get("texts") not in (None, []):     # (a merged export's null: absent)
+        elif record.get("texts") is not None and (record["texts"] != [] or turns is None and
+                                                  "caption" not in record):
+            # (a merged export's null, or [] beside a conversation: absent; [] alone: an empty
+            # document, normalize_document's empty_document as a table's row is)
             also = [k for k in ("conversations", "messages", "caption") if record.get(k)]
             if also:            # one of them would be left out without a word
                 raise RecordError("malformed_record", f"both a document's 'texts' and "
@@ -459,9 +462,6 @@ class ConversationFile:
                               f"e.g. jq -c '. + {{caption: .{transcript}}} | "
                               f"del(.{transcript})' FILE > pairs.jsonl, or write a NeMo "
                               "manifest (audio_filepath, duration, text)")
-        if turns is None and record.get("texts") == []:
-            raise RecordError("malformed_record", "an empty document: its 'texts' list holds "
-                              "no text (leave the record out)")
         if turns is None:
             raise RecordError("malformed_record", f"no conversation: the record has the keys "
                               f"{listed(map(repr, sorted(record)[:12]))}, and mimo reads "
@@ -628,11 +628,11 @@ class ParquetTable:
         self.preference = tuple(name for name in PREFERENCE_KEYS if name in names)
         found = [role for role in ("texts", "conversation", "caption") if self.columns[role]]
         if not found and {"text_list", "image_info"} <= names:
-            raise SourceError(f"{path}: MMC4's columns text_list and image_info: MMC4 is read "
-                              "from its JSON / JSONL records (mimo-shard build FILE.jsonl); "
-                              "write the table as JSONL first, e.g. pandas' "
-                              "read_parquet(...).to_json('mmc4.jsonl', orient='records', "
-                              "lines=True)")
+            raise SourceError(f"{path} holds MMC4's columns text_list and image_info: MMC4 is "
+                              "read from its JSON / JSONL records (mimo-shard build "
+                              "FILE.jsonl); write the table as JSONL first, e.g. python -c "
+                              "\"import json, pyarrow.parquet as pq; [print(json.dumps(r)) for "
+                              f"r in pq.read_table('{path}').to_pylist()]\" > mmc4.jsonl")
         if not found:
             # a speech table's transcript column, as the hub's ASR sets name it
             transcript = next((c for c in TRANSCRIPT_COLUMNS if c in names), None)

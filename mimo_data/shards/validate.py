@@ -353,12 +353,14 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
                                                       policy.max_image_pixels)
                 except MediaError as exc:
                     raise RecordError.of_media(exc, _where(modality, index, path)) from None
+                except MemoryError:
+                    raise
                 except Exception as exc:    # a decoding library failing on a file no check
                     # of ours foresaw: this record's skip, not the end of a long build
                     raise RecordError(f"corrupt_{modality}", f"{_where(modality, index, path)}: "
                                       f"reading it failed ({type(exc).__name__}: {exc}); if "
-                                      "the file plays elsewhere, convert it with ffmpeg") \
-                        from None
+                                      f"the file {'opens' if modality == 'image' else 'plays'} "
+                                      "elsewhere, convert it with ffmpeg") from None
             except RecordError as exc:
                 if raw.kind != "document":
                     raise
