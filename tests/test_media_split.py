@@ -269,11 +269,40 @@ def test_one_long_clip_spreads_over_every_rank():
     assert cut([], 2) == [[], []]
 
 
+@pytest.mark.parametrize("checkpoint", ["llava-hf--llava-1.5-7b-hf",
+                                        "llava-hf--llava-interleave-qwen-0.5b-hf", None])
+def test_an_image_tower_gives_images_dealt_over_ranks_the_same_rows(checkpoint):
+    """The towers of images alone (``frame_independent``: data.split_media deals their images
+    whole over the ranks): LLaVA's CLIP and SigLIP towers (the published replicas') and a
+    SigLIP encoder of its own give three images' rows in one call as in a call of one and a
+    call of two."""
+    from mimo_data.modalities.image import ImageConfig
+    from mimo_train.families.llava import LlavaVision
+    from mimo_train.families.registry import read_vlm
+    from mimo_train.families.siglip import SiglipVision
+    torch.manual_seed(0)
+    if checkpoint is None:
+        image = ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14)
+        tower = SiglipVision(image, 32, 2, 2)
+    else:
+        from mimo_data.preprocess.config import PreprocessConfig
+        from mimo_train.families.registry import preprocessing_for
+        path = str(PUBLISHED / checkpoint)
+        image = PreprocessConfig.from_dict(preprocessing_for(path)).modalities["image"]
+        tower = LlavaVision(image, 0, 0, 0, pretrained=read_vlm(path))
+    assert type(tower).frame_independent
+    pixels = torch.randint(0, 256, (3, 3, image.image_size, image.image_size), dtype=torch.uint8)
+    with torch.no_grad():
+        whole = tower.eval()(pixels)
+        parts = torch.cat([tower(pixels[:1]), tower(pixels[1:])])
+    assert whole.size(0) == 3 * (image.image_size // image.patch_size) ** 2
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
+
+
 def test_where_the_split_cannot_work_it_is_refused_with_the_reason():
     """The trainer's rule: no encoder module fanning in (colocated, or dp not above the
-    language model's), or one whose tower is not frame-independent (a SigLIP tower's module,
-    as LLaVA's); the loader: a fanning-in module serving audio, whose inputs it does not take
-    apart."""
+    language model's), or one whose tower is not frame-independent (Whisper's, say); the
+    loader: a fanning-in module serving audio, whose inputs it does not take apart."""
     from mimo_data.loading.layout import Layout, LayoutError
     from mimo_data.loading.media_split import check_split_media
     from mimo_data.preprocess.config import PreprocessConfig

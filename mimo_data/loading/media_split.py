@@ -11,7 +11,7 @@ in rank order on the language rank, which is then exactly the rows of the whole 
 in the order the language model splices them: one long clip is encoded by several ranks.
 That needs a tower that encodes each unit on its own (``Encoder.frame_independent``: the
 Qwen2-VL family's, whose attention, positions and windows stay within a temporal patch;
-LLaVA's, which takes images alone, each encoded on its own).
+CLIP's and SigLIP's, which take images alone, each encoded on its own).
 
 Pure numpy over one micro-batch's metadata: nothing per sample is kept beyond it.
 """

@@ -57,9 +57,10 @@ class Encoder(torch.nn.Module):
     # rows carry deepstack features after the main ``output_size`` columns (Qwen3-VL:
     # ``mcore.deepstack``), which no projection but ``none`` passes on
     deepstack: bool = False
-    # each temporal patch of a clip is encoded on its own (attention, positions and windows
-    # within the frame): a clip cut between temporal patches gives the same rows, so
-    # ``data.split_media`` may spread one clip over the module's ranks
+    # each item is encoded on its own, and each temporal patch of a clip (attention, positions
+    # and windows within the frame; a tower of images alone: each image): a micro-batch's
+    # media cut between items or temporal patches give the same rows, so ``data.split_media``
+    # may spread them over the module's ranks
     frame_independent: bool = False
     # its transformers tower attends within items given their boundaries (``cu_seqlens``) in
     # one call: ``model.tower_attention``'s varlen kernel serves it on GPUs

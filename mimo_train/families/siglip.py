@@ -19,6 +19,8 @@ from mimo_train.families.base import (Encoder, check_fixed_geometry, check_prepr
 class SiglipVision(Encoder):
     """SigLIP vision tower: fixed-size images → ``[n · (S/P)², hidden]``."""
     takes = ("image", "fixed")
+    # images are never cut and each is encoded alone: data.split_media deals them whole
+    frame_independent = True
 
     @classmethod
     def checkpoint_types(cls) -> tuple[str, ...]:

@@ -216,9 +216,9 @@ def split_media_needs_fan_in(facts: Facts, layout: Layout, settings: Settings) -
     if whole:
         return (f"data.split_media: the tower of encoder module {whole[0]!r} does not encode "
                 "each frame on its own (the Qwen2-VL family's towers do: Qwen2-VL, "
-                "Qwen2.5-VL, Qwen3-VL, Qwen3.5; and LLaVA's, whose images are never cut), so its "
-                "rows would change if its media were cut over its ranks; drop data.split_media "
-                "(each encoder rank then encodes whole samples)")
+                "Qwen2.5-VL, Qwen3-VL, Qwen3.5; and the CLIP and SigLIP towers, whose images are "
+                "never cut), so its rows would change if its media were cut over its ranks; "
+                "drop data.split_media (each encoder rank then encodes whole samples)")
     return None
 
 
