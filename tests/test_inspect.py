@@ -1194,6 +1194,11 @@ def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
                    "named close to it: misspelt?): megatron-core's MimoModel needs exactly one "
                    "module named 'language'"}, out
     assert "error: --layout langauge=dp2;image=dp1;audio=dp1: no 'language' module" in err
+    code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
+                         "gone.yaml", "--global-batch-size", "8", "--micro-batch-size", "2",
+                         "--json")       # a layout file not there: said of --layout, JSON too
+    assert code == 2 and json.loads(out)["problem"] == "cannot read it (No such file or " \
+        "directory)" and "error: --layout gone.yaml: cannot read it" in err, (out, err)
     # --split-media is the advisor's: a plan of one layout draws whole micro-batches, so it is
     # refused there rather than ignored
     code, _, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",

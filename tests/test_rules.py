@@ -232,6 +232,20 @@ def test_every_proposal_on_eight_gpus_starts(name, models, tmp_path):
             resolve(TrainConfig.load(str(path), result["overrides"]))
 
 
+def test_the_distributed_optimizer_counts_the_experts_ranks(models, tmp_path):
+    """The start-up line's "nothing to shard" for a distributed optimizer over one rank of
+    dp x cp: not for a mixture whose experts are spread over fewer ranks than tp (etp1 at
+    tp2: two expert-data-parallel ranks share each expert's state, most of such a model's)."""
+    case = Case("qwen3-vl-moe", "", ("data.packing=false", "optimizer.distributed=true",
+                                     "model.language.sequence_parallel=true"))
+    path = _training_yaml(tmp_path, models, case)
+    for layout, said in (("tp2,etp1", "language: distributed optimizer, sequence parallel"),
+                         ("tp2", "language: distributed optimizer (dp x cp 1: nothing to "
+                                 "shard), sequence parallel")):
+        plan = resolve(TrainConfig.load(str(path), [f"layout=image=dp1,video;language={layout}"]))
+        assert said in plan.memory_summary().split("; "), plan.memory_summary()
+
+
 def test_an_mlp_that_tp_cannot_split_is_refused(tmp_path):
     """The dense MLP of a model trained from scratch (its case's model is a mixture of
     experts: the published replicas' dense MLPs split over any tp their heads allow), and a

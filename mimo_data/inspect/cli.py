@@ -502,6 +502,8 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
             Layout.parse(args.layout)
         except LayoutError as error:
             return _refused_layout(args, str(error))
+        except OSError as error:        # a layout file that cannot be read
+            return _refused_layout(args, f"cannot read it ({error.strerror or error})")
     if args.gpus is None and args.model is not None and args.layout is not None and not clip:
         # one layout checked against the trainer's rules for that model, then drawn as below
         if layout_refusal is None:
@@ -638,7 +640,7 @@ def _layout_named(text: str) -> str:
     from mimo_data.loading.layout import Layout, LayoutError
     try:
         return str(Layout.parse(text))
-    except LayoutError:
+    except (LayoutError, OSError):
         return text
 
 

@@ -168,9 +168,12 @@ class RunPlan:
                 parts.append(f"{name}: frozen")
                 continue
             own, ranks = module.optimizer, self.layout.module(name)
-            # it shards the optimizer state over the module's dp x cp ranks: over one, none
+            # it shards the optimizer state over the module's dp x cp ranks, a mixture's
+            # experts' over their expert dp ranks: over one, nothing
+            shards = max(ranks.dp * ranks.cp, ranks.expert_dp if name == LANGUAGE
+                         and self.language.experts else 1)
             sharded = "distributed optimizer" + (
-                "" if ranks.dp * ranks.cp > 1 else " (dp x cp 1: nothing to shard)")
+                "" if shards > 1 else " (dp x cp 1: nothing to shard)")
             settings = [*([sharded] if own.distributed else []),
                         *([f"recompute {module.recompute}"] if module.recompute != "none"
                           else []),
