@@ -431,6 +431,8 @@ def test_a_checkpoint_trains_through_its_own_template_unless_it_is_the_published
     # same template, so mimo's copy all the same (not every multi-turn sample dropped)
     from mimo_data.preprocess.templates import copy_of
     assert copy_of((published / "chat_template.jinja").read_text() + "\n") == template
+    assert copy_of((published / "chat_template.jinja").read_text().replace("\n", "\r\n")
+                   + "\r\n") == template            # saved with Windows' line ends
     resaved = folder("resaved")
     AutoProcessor.from_pretrained(published).save_pretrained(resaved)
     assert preprocessing_for(str(resaved))["chat_template"] == str(template)

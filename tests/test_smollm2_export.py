@@ -751,10 +751,11 @@ def test_no_thinking_on_a_template_without_it_is_said(generator, smollm2, capsys
     assert "--no-thinking: the model's chat template" in capsys.readouterr().err
 
 
-def test_sampling_is_reproducible_from_its_seed(generator):
+def test_sampling_is_reproducible_from_its_seed(generator, smollm2, capsys):
     """At temperature 5 the next token is nearly uniform over 49k tokens: 6 of them repeat
     only from the same seed, and never match the greedy answer by chance; ``top_k`` 1 (``--top-k
     1``) leaves the likeliest token alone to draw: the greedy answer at any temperature."""
+    from mimo_train.hf.generate import main
     prompt = "Name a colour."
     first, again, other = (generator.generate(prompt, max_new_tokens=6, temperature=5.0,
                                               seed=seed).token_ids for seed in (1, 1, 2))
@@ -763,6 +764,14 @@ def test_sampling_is_reproducible_from_its_seed(generator):
     assert first != other and first != greedy
     assert generator.generate(prompt, max_new_tokens=6, temperature=5.0, seed=1,
                               top_k=1).token_ids == greedy
+    answers = []
+    for flags in ([], ["--temperature", "5", "--top-k", "1", "--seed", "1"]):
+        capsys.readouterr()
+        assert main(["--model", str(smollm2.export), "--prompt", prompt, "--max-new-tokens",
+                     "6", "--device", "cpu", *flags]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] == generator.tokenizer.decode(
+        greedy, skip_special_tokens=True) + "\n", answers
 
 
 def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys, monkeypatch):

@@ -576,9 +576,10 @@ def _weighed(messages: Sequence[Mapping[str, Any]], spans: list) -> list:
     if all(trained):
         return spans
     if len(trained) != len(spans):
-        answers = [message["content"] for message in messages if message["role"] == "assistant"]
-        blank = [k for k, content in enumerate(answers) if not content or (
-            isinstance(content, str) and not content.strip())]
+        answers = [message for message in messages if message["role"] == "assistant"]
+        blank = [k for k, answer in enumerate(answers) if not answer.get("tool_calls") and (
+            not answer["content"] or isinstance(answer["content"], str)
+            and not answer["content"].strip())]
         raise TextError("template_mismatch", f"the chat template writes {len(spans)} answer "
                         f"span(s) for {len(trained)} answers, so the answers with weight 0 "
                         "cannot be left out of the loss: " + (

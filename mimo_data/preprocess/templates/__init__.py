@@ -24,13 +24,14 @@ def copy_of(template: object) -> Path | None:
     published one mimo copies, else None (a template of the user's, or none)."""
     if not isinstance(template, str):
         return None
-    # Jinja drops one newline at the end of a template (keep_trailing_newline is off): a file
-    # saved by an editor that adds one renders the published text, so it is the same template
-    for text in (template, template[:-1] if template.endswith("\n") else None):
-        if text is not None:
-            copy = COPIES.get(hashlib.sha256(text.encode()).hexdigest())
-            if copy is not None:
-                return copy
+    # Jinja reads a template's line ends as newlines and drops one at its end
+    # (keep_trailing_newline is off): a file saved by an editor that adds one, or with Windows'
+    # line ends, renders the published text, so it is the same template
+    lines = template.replace("\r\n", "\n")
+    for text in (template, lines, lines.removesuffix("\n")):
+        copy = COPIES.get(hashlib.sha256(text.encode()).hexdigest())
+        if copy is not None:
+            return copy
     return None
 
 
