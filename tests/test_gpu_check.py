@@ -107,6 +107,19 @@ def test_without_pyav_the_shards_hold_no_clips_and_say_why(tmp_path, monkeypatch
     assert "installed" not in packages and "error" not in packages, packages
 
 
+def test_shards_built_under_a_relative_work_folder_keep_their_media(tmp_path, monkeypatch):
+    """``--out OUT`` as the README writes it is relative: the replicated corpus's media paths
+    must not be read relative to the JSONL's folder a second time (every media record was
+    skipped as missing_media, the cases trained text alone)."""
+    module = _module()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out" / "work").mkdir(parents=True)
+    check = module.Check(Path("out"), True, math.inf, lambda *a: 0, None, Path("out/work"))
+    shards = module.build_shards(check)
+    assert shards["images"] > 0, shards
+
+
 RUN = {"packed_8k", "unpacked", "packed_8k_recompute_full", "packed_8k_local",
        "lora_7b_packed_8k"}
 WITH_PEER = {"packed_8k", "unpacked", "packed_8k_recompute_full", "lora_7b_packed_8k"}

@@ -165,10 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for replica, experts in itertools.product(args.replicas, args.experts):
             path = make_variant(REPLICAS[replica],
-                                os.path.join(scratch, f"{replica}-{experts}"), experts,
-                                args.ffn)
+                                os.path.join(scratch, f"{replica}-{experts}-ffn{args.ffn}"),
+                                experts, args.ffn)
             for tp, ep, read in itertools.product(args.tp, args.ep, ("whole", "parts")):
                 if experts % ep:
+                    print(f"{replica:>12} {experts:>7} {tp:>3} {ep:>3}  skipped: {experts} "
+                          f"experts do not divide over ep {ep}", flush=True)
                     continue
                 results = fork.Queue()
                 child = fork.Process(target=_measure, args=(path, tp, ep, read, results))

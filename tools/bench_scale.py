@@ -193,6 +193,11 @@ def main() -> None:
         kind, dataset, config, workers = args.child
         print(json.dumps(child(kind, dataset, config, int(workers))))
         return
+    if args.base < 1 or any(size < args.base or size % args.base for size in args.sizes):
+        parser.error(f"--sizes must be multiples of --base ({args.base}): each size is the base "
+                     "dataset hard-linked size / base times")
+    if len(set(args.sizes)) < 2:
+        parser.error("--sizes: give two sizes or more (the figures are slopes between them)")
     if max(args.sizes) < NOISE_FLOOR:
         print(f"note: the largest size, {max(args.sizes)}, is under {NOISE_FLOOR}: its seconds "
               "are within the timer's and the load's noise, so the targets are read at the "

@@ -28,6 +28,8 @@ def replicated_dataset(corpus: str, samples: int, work: str, *, keep=None,
     (``video.jsonl`` too: its clips); ``kind(record) -> str``: the kept records taken in
     turn from each kind (images, clips: both in the first micro-batches), else in order.
     """
+    # absolute: the media paths written into the JSONL are read relative to its folder
+    work = os.path.abspath(work)
     # the corpus built once per set of inputs (a work folder reused with others builds again)
     once = os.path.join(work, "once" if inputs == CORPUS_INPUTS else "once-" + "-".join(inputs))
     if not os.path.isdir(once):

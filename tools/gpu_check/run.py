@@ -407,6 +407,9 @@ def build_shards(check: Check) -> dict:
         Path(built).rename(check.shards)
     media = check.media
     samples = json.loads((check.shards / "index.json").read_text())["totals"]["samples"]
+    if not media["image"]:      # the cases would train text alone, their figures not a VLM's
+        raise RuntimeError(f"the shards in {check.shards} hold no image: their build skipped "
+                           "every media record (see its report.json)")
     return {"dir": str(check.shards), "samples": samples, "images": media["image"],
             "clips": media["video"],
             **({} if media["video"] or not _missing("av") else {"video": "no PyAV: no clips"})}
@@ -858,7 +861,9 @@ def run(out: Path, tiny: bool, budget_s: float, launch: Launcher = torchrun_laun
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check")))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check")),
+                        help="where summary.json and the logs go (default $OUT, else "
+                        "./gpu_check)")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny dims on the CPU (what the suite runs)")
     parser.add_argument("--budget-s", type=float, default=450,
@@ -878,8 +883,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--cases: no workload {', '.join(unknown)} (the workloads: "
                      f"{', '.join(w.name for w in WORKLOADS)}; or none)")
-    summary = run(args.out, args.tiny, args.budget_s, shards=args.shards, work=args.work,
-                  names=names, probes=not args.skip_probes)
+    summary = run(args.out.absolute(), args.tiny, args.budget_s, shards=args.shards,
+                  work=args.work and args.work.absolute(), names=names,
+                  probes=not args.skip_probes)
     return 1 if failures(summary) else 0
 
 
