@@ -713,6 +713,43 @@ def test_float_wav_with_nan_or_inf_samples_is_corrupt(clips):
                 assert info.value.reason == "corrupt_audio"
 
 
+def test_a_flac_written_to_a_pipe_is_refused_under_either_check():
+    """A FLAC whose header states no length (FFmpeg's `-f flac pipe:`; here PyAV writing a
+    second of a tone to a stream it cannot seek): libsndfile counts 2^63 - 1 frames and cannot
+    read it; refused with the way to write it again, not kept under --check header with a
+    5.8e14 s duration."""
+    rate = 16000
+    samples = (np.sin(np.arange(rate) / 10) * 0.3).astype(np.float32)
+
+    class Pipe(io.RawIOBase):
+        def __init__(self):
+            self.written = bytearray()
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            self.written += data
+            return len(data)
+
+    pipe = Pipe()
+    with av.open(pipe, "w", format="flac") as container:
+        stream = container.add_stream("flac", rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray(samples[None], format="flt", layout="mono")
+        frame.sample_rate = rate
+        for packet in stream.encode(frame):     # muxed before the flush: the header is
+            container.mux(packet)               # written not knowing the length
+        for packet in stream.encode(None):
+            container.mux(packet)
+    with soundfile.SoundFile(io.BytesIO(bytes(pipe.written))) as sound:
+        assert sound.frames == 2 ** 63 - 1          # what it is made to show
+    for check in ("header", "decode"):
+        with pytest.raises(MediaError, match="header states no length .* ffmpeg -i IN "
+                           "OUT.flac") as refused:
+            probe_audio(bytes(pipe.written), check)
+        assert refused.value.reason == "unsupported_format"
+
+
 def test_wav_variants_and_other_containers(clips, corpus_photos, corpus_videos):
     """FFmpeg writes 24-bit PCM as WAVE_FORMAT_EXTENSIBLE (soundfile's WAVEX); RF64 and W64
     are WAV's 64-bit variants: all decode as the WAV. AAC in an .m4a (FFmpeg opens it, libsndfile

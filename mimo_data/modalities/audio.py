@@ -68,6 +68,10 @@ class AudioConfig:
                               "use drop or truncate")
 
 
+# libsndfile's frame count for a stream whose header states no length (SF_COUNT_MAX)
+UNKNOWN_LENGTH = 2 ** 63 - 1
+
+
 def probe_audio(data: bytes, check: str = "decode") -> dict:
     """Validate encoded audio; return ``{format, sample_rate, channels, frames, duration}``.
 
@@ -86,6 +90,11 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
         with soundfile.SoundFile(io.BytesIO(data)) as sound:
             fmt = sound.format.lower()
             sample_rate, channels, frames = sound.samplerate, sound.channels, sound.frames
+            if frames == UNKNOWN_LENGTH:        # libsndfile then fails to read it at all
+                raise MediaError("unsupported_format", f"its {fmt.upper()} header states no "
+                                 "length (written to a pipe, as ffmpeg ... -f flac pipe: "
+                                 "writes it), which soundfile cannot read; write it to a file "
+                                 "again: ffmpeg -i IN OUT.flac")
             estimated = _length_estimated(data, fmt)
             floats = sound.subtype in ("FLOAT", "DOUBLE")    # the only ones holding NaN / inf
             if check == "decode" or estimated or floats:
