@@ -73,7 +73,7 @@ def measure(chunk: int, tokens: int, vocab: int, hidden: int, precision: str,
         generator = torch.Generator().manual_seed(0)
         states = torch.randn(tokens, 1, hidden, generator=generator).to(dtype)
         labels = torch.randint(0, vocab, (1, tokens), generator=generator)
-        if trained_every > 1:
+        if trained_every:
             labels[:, [i for i in range(tokens) if i % trained_every]] = -100
         else:
             labels[:, ::5] = -100
@@ -115,9 +115,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--chunks", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--trained-every", type=int, default=1,
-                        help="one token in N trained (default: one in five untrained)")
+    parser.add_argument("--trained-every", type=int, default=0, metavar="N",
+                        help="one token in N trained, 1 for all (default: one in five "
+                        "untrained)")
     args = parser.parse_args()
+    if args.trained_every < 0:
+        parser.error(f"--trained-every is {args.trained_every}: give N >= 1 (one token in N "
+                     "trained), or leave it out for one in five untrained")
     shape = dict(tokens=args.tokens, vocab=args.vocab, hidden=args.hidden,
                  precision=args.precision, trained_every=args.trained_every)
     if args.run is not None:
