@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,9 +82,11 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="bench_lora.") as tmp:
         shards = os.path.join(tmp, "shards")
-        subprocess.run([os.path.join(os.path.dirname(sys.executable), "mimo-shard"), "build",
-                        *CORPUS, "--output", shards, "--workers", "2"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        built = subprocess.run([os.path.join(os.path.dirname(sys.executable), "mimo-shard"),
+                                "build", *CORPUS, "--output", shards, "--workers", "2"],
+                               capture_output=True, text=True)
+        if built.returncode:
+            sys.exit(f"building the corpus's shards failed:\n{built.stderr[-3000:]}")
         common = [args.config, f"data.datasets=[{shards}]", f"train.steps={args.steps}",
                   "train.device=cpu", "train.precision=fp32", "optimizer.warmup_steps=0",
                   "checkpoint.dir=null", "train.log_interval=1000", "model.attention=sdpa",
@@ -94,10 +97,14 @@ def main() -> None:
                              f"model.lora={{language: {{rank: {args.rank}, "
                              f"alpha: {2 * args.rank}}}}}"]}
         found = {}
+        with socket.socket() as free:           # a port of its own: two runs on one host
+            free.bind(("127.0.0.1", 0))
+            port = free.getsockname()[1]
         for name, overrides in variants.items():
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", name,
                                   *common, *overrides], capture_output=True, text=True,
-                                 env={**os.environ, "OMP_NUM_THREADS": "2"})
+                                 env={"OMP_NUM_THREADS": "2", "MASTER_PORT": str(port),
+                                      **os.environ})
             line = next((x for x in run.stdout.splitlines() if x.startswith("BENCH ")), None)
             if line is None:
                 sys.exit(f"{name} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
