@@ -30,7 +30,6 @@ from mimo_data.arguments import user_path
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.runtime import console, launcher
-from mimo_train.config import TrainConfig
 from mimo_train.errors import RunError, StartupError, TrainConfigError
 
 
@@ -64,8 +63,8 @@ def main(argv=None) -> int:
     cache_only()
     parser = _parser()
     args = parser.parse_intermixed_args(argv)     # overrides before or after the options
-    console.quiet_third_party()
     try:
+        console.quiet_third_party()     # imports torch: a Ctrl-C there is one line too
         return _main(args, parser)
     except KeyboardInterrupt:
         # a terminal's Ctrl-C reaches every rank: one line, from rank 0, and no traceback
@@ -87,6 +86,9 @@ def _main(args, parser: argparse.ArgumentParser) -> int:
             print(f"{console.PREFIX}{why}", file=sys.stderr)
         return 2
     try:
+        # here, not at the top: --help, usage errors and a Ctrl-C while it loads (pyarrow,
+        # numpy, PyAV, Pillow) stay quick and one line
+        from mimo_train.config import TrainConfig
         cfg = TrainConfig.load(args.config, args.overrides)
         from mimo_train.plan import check_training, resolve
         plan = resolve(cfg)             # what the run builds, from the checkpoints it names

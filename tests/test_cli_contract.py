@@ -100,7 +100,8 @@ def test_importing_the_clis_imports_nothing_heavy(corpus_build):
     metadata and import no torch (2 s and ~600 MB of a 0.4 s command, as webdataset's import
     of torch had made them)."""
     configs = [str(REPO / "configs" / name) for name in IMPORT_CONFIGS]
-    asked = {"clis": [*CLIS.values(), *SINGLE_CLIS.values(), "mimo_train.inspect_cli"],
+    asked = {"clis": [*CLIS.values(), *SINGLE_CLIS.values(), "mimo_train.inspect_cli",
+                      "mimo_train.cli"],
              "metadata": [[arg.format(dataset=corpus_build) for arg in command]
                           for command in METADATA_COMMANDS],
              "commands": SHARD_COMMANDS,
@@ -471,3 +472,49 @@ def test_gpu_kernel_advice_is_kept_off_a_cpu_console():
     shown = [record.getMessage()[:20] for record in records]
     assert shown == (["`causal_conv1d_fn` i", "another notice"] if torch.cuda.is_available()
                      else ["another notice"]), shown
+
+
+class _Interrupted(__import__("types").ModuleType):
+    """A module whose every name's import is a Ctrl-C (one pressed while it loads)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("module, args, patch", [
+    ("mimo_data.inspect.cli", ["report", "{dataset}", "--config", "{config}", "--no-progress"],
+     ("module", "mimo_data.shards.index")),
+    ("mimo_data.inspect.cli", ["sample", "{dataset}", "--config", "{config}", "--index", "0"],
+     ("module", "mimo_data.preprocess.config")),
+    ("mimo_train.hf.generate", ["--model", "{dataset}", "--prompt", "hi"],
+     ("quiet", "mimo_train.hf.generate")),
+    ("mimo_train.cli", ["--preprocessing-for", MODELS / "tiny-qwen2-vl"],
+     ("quiet", "mimo_train.cli")),
+], ids=["inspect-report", "inspect-sample", "generate", "train"])
+def test_a_ctrl_c_while_the_command_imports_is_one_line(capsys, monkeypatch, tmp_path,
+                                                        text_dataset, module, args, patch):
+    """Ctrl-C in the first second (torch, av, PIL loading) is 130 and one line, as later."""
+    config = _config(tmp_path / "good.yaml")
+    args = [str(a).format(dataset=text_dataset, config=config) for a in args]
+    kind, target = patch
+    if kind == "module":
+        monkeypatch.setitem(sys.modules, target, _Interrupted(target))
+    else:
+        def interrupted():
+            raise KeyboardInterrupt
+        console = __import__(target, fromlist=["console"]).console
+        monkeypatch.setattr(console, "quiet_third_party", interrupted)
+    try:
+        code, err = _main(module, capsys, *args)
+    except KeyboardInterrupt:                   # not pytest's own Ctrl-C: the CLI let it out
+        pytest.fail("the KeyboardInterrupt left main: a traceback, not one line")
+    assert code == 130 and len(err.splitlines()) == 1 and "interrupted" in err, (code, err)
+
+
+def test_a_training_config_that_is_no_text_is_a_usage_error(capsys):
+    """A binary file given as --config: exit 2, one line, no UnicodeDecodeError traceback."""
+    weights = MODELS / "tiny-qwen2-vl" / "model.safetensors"
+    code, err = _main("mimo_train.cli", capsys, "--config", weights)
+    assert code == 2 and len(err.splitlines()) == 1 and str(weights) in err, err

@@ -683,6 +683,16 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
                       if args.command == "sample" else ""), file=sys.stderr)
             return 2
         args.subcommand.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:        # a Ctrl-C while the modules below import: one line, as during the work
+        return _command(args, started, advisor, layout_refusal, run_settings, preprocess_of,
+                        checkpoint)
+    except KeyboardInterrupt:
+        print(f"mimo-inspect {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _command(args, started, advisor, layout_refusal, run_settings, preprocess_of,
+             checkpoint) -> int:
     if args.command == "checkpoint":          # a training run's: no dataset, no config
         return checkpoint(args) if checkpoint else _needs_trainer("checking checkpoints "
                                                                   "needs", "checkpoint")

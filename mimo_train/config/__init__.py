@@ -453,6 +453,10 @@ class TrainConfig:
                 raise TrainConfigError(f"cannot read training config {path}: {error}") from None
             except yaml.YAMLError as error:
                 raise TrainConfigError(f"{path} is not valid YAML: {error}") from None
+            except UnicodeDecodeError:
+                raise TrainConfigError(f"{path} is not a text file, so no YAML: give the "
+                                       "training config's YAML file (configs/train/ holds one "
+                                       "per family)") from None
             if not isinstance(data, dict):
                 raise TrainConfigError(f"{path}: the top level must be a mapping")
             refuse_preprocessing_config(data, path)

@@ -165,8 +165,8 @@ def main(argv=None) -> int:
             parser.error(_NO_FRAMES)
     if args.prompt_file is not None:
         args.prompt = _prompt_of(args.prompt_file, parser)
-    console.quiet_third_party()
     try:
+        console.quiet_third_party()     # imports torch: a Ctrl-C there is one line too
         generator = Generator(args.model, args.device, args.dtype, base=args.base)
         result = generator.generate(args.prompt, images=args.image, audios=args.audio,
                                     videos=args.video,
