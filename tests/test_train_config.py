@@ -747,3 +747,12 @@ def test_a_list_given_as_one_value_says_the_list_form(tmp_path):
     assert load_error(tmp_path, MINIMAL, "data.datasets=s3://b/ds") == (
         "data.datasets is 's3://b/ds' (str): it must be list, e.g. data.datasets=[s3://b/ds] "
         "on the command line")
+
+
+@pytest.mark.parametrize("lr", [2.0e-5, 1.0e-4, 1.0e-2])
+def test_lr_alone_takes_a_tenth_as_min_lr(tmp_path, lr):
+    """A fine-tune's usual lr given alone (no min_lr) is not refused for the default min_lr,
+    nor left flat at lr=1e-4 (the README's LoRA example): min_lr defaults to lr / 10."""
+    cfg = load(tmp_path, "data: {datasets: [a]}\n", f"optimizer.lr={lr}")
+    assert cfg.optimizer.min_lr == pytest.approx(lr / 10)
+    assert TrainConfig().optimizer.min_lr == pytest.approx(1e-4)

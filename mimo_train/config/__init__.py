@@ -249,7 +249,9 @@ class ModuleOptimizerConfig:
 class OptimizerConfig:
     ELSEWHERE = TRANSFORMERS_NAMES
     lr: Annotated[float, Range(0)] = 1e-3
-    min_lr: float = 1e-4                              # in [0, lr] (``check``)
+    # in [0, lr] (``check``); unset: a tenth of lr (1e-4 at the default lr), so that a
+    # config giving lr alone decays from it and is not refused below 1e-4
+    min_lr: float | None = None
     warmup_steps: Count = 0
     weight_decay: Annotated[float, Range(0)] = 0.0
     adam_beta1: Annotated[float, Range(0, 1, open_high=True)] = 0.9
@@ -266,6 +268,10 @@ class OptimizerConfig:
     # module name -> its own settings (e.g. image: {lr: 1e-4}: the tower at a tenth)
     modules: dict[str, ModuleOptimizerConfig] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.min_lr is None and isinstance(self.lr, (int, float)):
+            self.min_lr = self.lr / 10
+
     def of(self, module: str) -> OptimizerConfig:
         """The settings of ``module``: its own where ``modules`` sets them, else these."""
         own = self.modules.get(module) or ModuleOptimizerConfig()
@@ -280,8 +286,9 @@ class OptimizerConfig:
         where ``overlap_grad_reduce`` uses it (megatron-core leaves it unused without): a
         module's own with its overlap, the optimizer's with its own or some module's."""
         where = f"optimizer.modules.{module}." if module else "optimizer."
-        if not 0 <= self.min_lr <= self.lr:
-            raise TrainConfigError(f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]")
+        min_lr = self.lr / 10 if self.min_lr is None else self.min_lr   # (__post_init__'s)
+        if not 0 <= min_lr <= self.lr:
+            raise TrainConfigError(f"{where}min_lr {min_lr} must be in [0, lr={self.lr}]")
         if module is not None:          # (a module's: ``of``'s, its own modules gone)
             return
         unused = [("optimizer.", self.bucket_size)] if self.bucket_size is not None and not (
