@@ -78,6 +78,12 @@ def main(argv=None) -> int:
 
 def _main(args, parser: argparse.ArgumentParser) -> int:
     if args.preprocessing_for:
+        given = [*(["--config"] if args.config else []), *(["--records"] if args.records
+                                                          else []), *args.overrides]
+        if given:               # none of them changes what it prints
+            parser.error(f"--preprocessing-for prints the model's preprocessing config and "
+                         f"takes nothing else ({' '.join(given)} given): edit the YAML it "
+                         "prints (seq_length, ...), then train with --config")
         return _print_preprocessing(args.preprocessing_for)
     if not args.config:
         parser.error("--config is required (or --preprocessing-for)")

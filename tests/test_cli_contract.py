@@ -316,6 +316,11 @@ def test_hub_names_are_read_from_the_local_cache_without_a_request(capsys, monke
     code, err = _main("mimo_train.cli", capsys, "--preprocessing-for",
                       "Qwen/Qwen2-VL-7B-Instruct")
     assert code == 2 and lookups == []
+    # an override beside it would change nothing it prints: refused, not silently unused
+    code, usage = _main("mimo_train.cli", capsys, "--preprocessing-for",
+                        "Qwen/Qwen2-VL-2B-Instruct", "seq_length=4096")
+    assert code == 2 and "--preprocessing-for prints the model's preprocessing config and " \
+        "takes nothing else (seq_length=4096 given)" in usage, usage
     assert err == ("mimo-train: --preprocessing-for: the hub name 'Qwen/Qwen2-VL-7B-Instruct' "
                    f"is not in the local hub cache ({cache}): mimo reads the cache only. "
                    "Download it first (hf download Qwen/Qwen2-VL-7B-Instruct) with "
