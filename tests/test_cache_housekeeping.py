@@ -129,6 +129,12 @@ def test_the_text_listing_says_why(caches, capsys):
     assert "an earlier mimo" in out and "unreadable" in out
     assert "seq_length 256" in out
     assert "4 superseded" in out and "--remove deletes them" in out
+    # a --cache-dir mistyped (not there, or a file): said, not "0 superseded" of the dataset's
+    for wrong, said in ((caches["cache_dir"].parent / "no-such-cache", "is not there"),
+                        (caches["current"], "is a file")):
+        code, _, err = cli_main(capsys, "cache", str(caches["dataset"]), "--cache-dir",
+                                str(wrong))
+        assert code == 2 and f"--cache-dir {wrong} {said}: give the cache folder" in err, err
 
 
 def test_inspect_and_training_share_a_cache_dir(tmp_path, capsys, monkeypatch):

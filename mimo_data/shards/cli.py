@@ -17,6 +17,7 @@ Exit status (the same for every mimo CLI):
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -306,6 +307,12 @@ def _cache(args) -> int:
     from mimo_data.shards.cache_entries import entries, remove
     from mimo_data.shards.storage import is_remote
     from mimo_data.stats import size_text
+    if args.cache_dir is not None and not os.path.isdir(args.cache_dir):
+        # (a typo would list the dataset's own tables alone: "0 superseded", the cache's kept)
+        print(f"mimo-shard cache: error: --cache-dir {args.cache_dir} is "
+              f"{'a file' if os.path.exists(args.cache_dir) else 'not there'}: give the cache "
+              "folder the runs used (their data.cache_dir or MIMO_CACHE_DIR)", file=sys.stderr)
+        return 2
     listed = entries(args.directory, args.cache_dir)
     superseded = [entry for entry in listed if entry.superseded]
     freed = remove(superseded) if args.remove else 0
