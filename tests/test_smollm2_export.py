@@ -219,6 +219,11 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
                  str(tmp_path / "afile" / "export")]) == 2
     assert f"--output {tmp_path / 'afile' / 'export'}: {tmp_path / 'afile'} is a file, not a " \
         "folder; give another path" in capsys.readouterr().err
+    # the file itself as --output: said as a file, not "remove it" (it may be the user's data)
+    assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
+                 str(tmp_path / "afile")]) == 2
+    assert f"--output {tmp_path / 'afile'} is a file: give the path of a directory to create" \
+        in capsys.readouterr().err
     assert main(["--checkpoint", str(tmp_path / "nothing"), "--output",
                  str(tmp_path / "out")]) == 2
     assert "step_*" in capsys.readouterr().err

@@ -241,6 +241,9 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
         raise ExportError(f"--dtype {dtype}: give one of {', '.join(DTYPES)} (or "
                           f"{', '.join(SHORT)})")
     output = os.path.abspath(output)
+    if os.path.lexists(output) and not os.path.isdir(output):    # a file of the user's
+        raise ExportError(f"--output {output} is a file: give the path of a directory to "
+                          "create (the export's)")
     if os.path.lexists(output):
         raise ExportError(f"--output {output} exists: remove it (even an empty folder: the "
                           "export is renamed into place when complete) or choose another "
