@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         "the language model with its tokenizer, each encoder, the projections, the "
         "preprocessing config and a manifest (mimo-generate runs the result).",
         epilog="Exit codes: 0 written, 1 the checkpoint's data failed a check, 2 usage or "
-        "config error.")
+        "config error, 130 Ctrl-C and 143 SIGTERM (nothing written).")
     parser.add_argument("--checkpoint", type=user_path, required=True, metavar="CKPT_DIR",
                         help="a step_* directory written by mimo_train, or a checkpoint.dir "
                         "(its latest checkpoint is exported)")

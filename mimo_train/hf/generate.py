@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="mimo-generate", description="Answer a prompt, with images, videos and audio, "
         "using a model written by mimo-export (training's preprocessing, the encoders and "
         "projections, then the language model's generate).",
-        epilog="Exit codes: 0 answered, 1 a media file failed a check, 2 usage or config error.")
+        epilog="Exit codes: 0 answered, 1 a media file failed a check, 2 usage or config "
+        "error, 130 Ctrl-C.")
     parser.add_argument("--model", type=user_path, required=True, metavar="OUT",
                         help="directory written by mimo-export (holds manifest.json)")
     prompt = parser.add_mutually_exclusive_group(required=True)
