@@ -683,33 +683,43 @@ def test_preprocessing_for_prints_the_derived_config(capsys, monkeypatch):
     assert "writes no <audio>" not in out and "\nmodalities:\n" in out, out
 
 
+def _tiny_llava(folder, corpus, vision_class, layer, strategy: str, image):
+    """A seeded LLaVA of a 2-layer ``vision_class`` tower (56 px, 14 px patches) and a 1-layer
+    Llama, read at ``layer`` with ``strategy``, saved in ``folder`` and loaded back by
+    transformers in fp32; and the corpus images ``NAMES`` as ``image`` makes them."""
+    from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from mimo_data.modalities.image import decode_image, image_encoder_inputs
+    from mimo_data.preprocess.preprocessor import media_item
+    torch.manual_seed(0)
+    config = LlavaConfig(
+        vision_config=vision_class(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=2, image_size=56, patch_size=14),
+        text_config=LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                num_attention_heads=4, vocab_size=300),
+        image_token_index=299, vision_feature_layer=layer,
+        vision_feature_select_strategy=strategy)
+    LlavaForConditionalGeneration(config).save_pretrained(folder)
+    model = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    data = [(corpus / "images" / name).read_bytes() for name in NAMES]
+    pixels = image_encoder_inputs([decode_image(d, media_item("image", d, 0)["orientation"],
+                                                image) for d in data], image)["pixel_values"]
+    return model, pixels
+
+
 def test_a_siglip_llava_tower_and_projector_give_transformers_image_features(tmp_path, corpus):
     """A LLaVA with a SigLIP tower read at its last layer (no CLS row, ``full`` selection,
     squashed 56 px images): mimo's tower and projection give ``get_image_features``'s rows;
     the pooling head is not held."""
-    from transformers import (LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              SiglipVisionConfig)
+    from transformers import SiglipVisionConfig
 
-    from mimo_data.modalities.image import ImageConfig, decode_image, image_encoder_inputs
-    from mimo_data.preprocess.preprocessor import media_item
-    from mimo_train.families.registry import read_vlm
+    from mimo_data.modalities.image import ImageConfig
     from mimo_train.families.base import Projection
     from mimo_train.families.llava import LlavaVision
-    torch.manual_seed(0)
-    config = LlavaConfig(
-        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=48,
-                                         num_hidden_layers=2, num_attention_heads=2,
-                                         image_size=56, patch_size=14),
-        text_config=LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                num_attention_heads=4, vocab_size=300),
-        image_token_index=299, vision_feature_layer=-1, vision_feature_select_strategy="full")
-    LlavaForConditionalGeneration(config).save_pretrained(tmp_path)
-    model = LlavaForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    from mimo_train.families.registry import read_vlm
     image = ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14,
                         mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
-    data = [(corpus / "images" / name).read_bytes() for name in NAMES]
-    pixels = image_encoder_inputs([decode_image(d, media_item("image", d, 0)["orientation"],
-                                                image) for d in data], image)["pixel_values"]
+    model, pixels = _tiny_llava(tmp_path, corpus, SiglipVisionConfig, -1, "full", image)
     tower = LlavaVision(image, 0, 0, 0, pretrained=read_vlm(str(tmp_path))).eval()
     assert not any("head" in name for name in tower.state_dict())
     projection = Projection(32, 64, "mlp", initial=read_vlm(str(tmp_path)).projector())
@@ -729,29 +739,15 @@ def test_a_clip_llava_tower_read_at_its_embeddings_gives_transformers_image_feat
     """``vision_feature_layer`` -(depth + 1) reads the tower's embeddings (transformers takes
     it): the tower mimo builds keeps a layer, as one of no layers returns no hidden states
     (an IndexError in step 1 before)."""
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration)
+    from transformers import CLIPVisionConfig
 
-    from mimo_data.modalities.image import ImageConfig, decode_image, image_encoder_inputs
-    from mimo_data.preprocess.preprocessor import media_item
+    from mimo_data.modalities.image import ImageConfig
     from mimo_train.families.llava import LlavaVision
     from mimo_train.families.registry import read_vlm
-    torch.manual_seed(0)
-    config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=48,
-                                       num_hidden_layers=2, num_attention_heads=2,
-                                       image_size=56, patch_size=14),
-        text_config=LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                num_attention_heads=4, vocab_size=300),
-        image_token_index=299, vision_feature_layer=-3, vision_feature_select_strategy="default")
-    LlavaForConditionalGeneration(config).save_pretrained(tmp_path)
-    model = LlavaForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
     image = ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14,
                         crop=True, mean=(0.48145466, 0.4578275, 0.40821073),
                         std=(0.26862954, 0.26130258, 0.27577711))
-    data = [(corpus / "images" / name).read_bytes() for name in NAMES]
-    pixels = image_encoder_inputs([decode_image(d, media_item("image", d, 0)["orientation"],
-                                                image) for d in data], image)["pixel_values"]
+    model, pixels = _tiny_llava(tmp_path, corpus, CLIPVisionConfig, -3, "default", image)
     tower = LlavaVision(image, 0, 0, 0, pretrained=read_vlm(str(tmp_path))).eval()
     with torch.no_grad():
         ours = tower(pixels)
