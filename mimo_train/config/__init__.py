@@ -286,9 +286,9 @@ class OptimizerConfig:
         where ``overlap_grad_reduce`` uses it (megatron-core leaves it unused without): a
         module's own with its overlap, the optimizer's with its own or some module's."""
         where = f"optimizer.modules.{module}." if module else "optimizer."
-        min_lr = self.lr / 10 if self.min_lr is None else self.min_lr   # (__post_init__'s)
-        if not 0 <= min_lr <= self.lr:
-            raise TrainConfigError(f"{where}min_lr {min_lr} must be in [0, lr={self.lr}]")
+        assert self.min_lr is not None                 # (__post_init__ sets it from lr)
+        if not 0 <= self.min_lr <= self.lr:
+            raise TrainConfigError(f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]")
         if module is not None:          # (a module's: ``of``'s, its own modules gone)
             return
         unused = [("optimizer.", self.bucket_size)] if self.bucket_size is not None and not (

@@ -327,10 +327,10 @@ class Generator:
         0 for all tokens, with it), else decoding is greedy; ``thinking=False``: the
         template's ``enable_thinking`` false (its default otherwise)."""
         import torch
-        if temperature is None and (top_p != 1.0 or top_k):
-            raise GenerateError(f"top_{'p' if top_p != 1.0 else 'k'} "
-                                f"{top_p if top_p != 1.0 else top_k} goes with temperature: "
-                                "without it decoding is greedy, which draws nothing")
+        drawn = f"top_p {top_p}" if top_p != 1.0 else f"top_k {top_k}" if top_k else None
+        if temperature is None and drawn:
+            raise GenerateError(f"{drawn} goes with temperature: without it decoding is "
+                                "greedy, which draws nothing")
         if top_k < 0:
             raise GenerateError(f"top_k is {top_k}: it must be >= 1, or 0 for all tokens")
         files = {modality: [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)

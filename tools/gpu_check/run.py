@@ -883,9 +883,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--cases: no workload {', '.join(unknown)} (the workloads: "
                      f"{', '.join(w.name for w in WORKLOADS)}; or none)")
-    summary = run(args.out.absolute(), args.tiny, args.budget_s, shards=args.shards,
-                  work=args.work and args.work.absolute(), names=names,
-                  probes=not args.skip_probes)
+    summary = run(args.out, args.tiny, args.budget_s, shards=args.shards, work=args.work,
+                  names=names, probes=not args.skip_probes)
     return 1 if failures(summary) else 0
 
 
