@@ -774,6 +774,11 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     code, _, err = cli_main(capsys, "build", tmp_path / "records.txt", "-o", tmp_path / "no",
                             "--no-progress")
     assert code == 2 and "pass --input-format llava|manifest|parquet" in err, err
+    # and a JSON array saved as .txt, given --input-format llava, is read as the array it is
+    (tmp_path / "array.txt").write_text(json.dumps(good_records[:2]))
+    code, _, err = cli_main(capsys, "build", tmp_path / "array.txt", "-o", tmp_path / "array",
+                            "--no-progress", "--input-format", "llava")
+    assert code == 0 and read_json(tmp_path / "array" / "report.json")["samples_written"] == 2
     # a COCO annotations file (its images a list of objects) is no record to put in [ ]
     (tmp_path / "captions_train2017.json").write_text(json.dumps({
         "info": {}, "images": [{"id": 1, "file_name": "1.jpg"}],

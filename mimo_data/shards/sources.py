@@ -757,7 +757,7 @@ def _record_keys(value: dict) -> list[str]:
     """The keys that make the JSON object ``value`` one record: a conversation's, a
     document's, a caption's, an utterance's, or media named by path; none where its media
     keys hold other objects (a COCO annotations file's ``images``: a list of objects)."""
-    media = [key for key in ("image", "images", "video", "videos", "audio", "audios")
+    media = [key for key in (*MODALITIES, *map(media_field, MODALITIES))
              if isinstance(value.get(key), str) or isinstance(value.get(key), list) and all(
                  item is None or isinstance(item, str) for item in value[key])]
     return sorted(media + [key for key in ("conversations", "messages", "texts", "caption",
@@ -813,7 +813,8 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     _refuse_wide_text(path, head)
     fmt = input_format
     suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl
-    if fmt != "parquet" and suffix in (".tsv", ".csv", ".txt") and not _json_lines(path):
+    if fmt != "parquet" and suffix in (".tsv", ".csv", ".txt") and not (
+            _json_lines(path) or _json_array(path)):     # (JSON by its contents: read as one)
         raise SourceError(f"{path}: mimo-shard build reads no {suffix} file: write utterances "
                           "(Common Voice's TSV, LibriSpeech's trans.txt) as a NeMo speech "
                           "manifest, a JSONL of {\"audio_filepath\", \"text\"} a line "

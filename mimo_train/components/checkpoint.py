@@ -235,9 +235,7 @@ class Saver:
         self.abandoned: set[str] = set()
         if resumed:
             name = os.path.basename(resumed)
-            later = sorted(each for each in os.listdir(root) if re.fullmatch(STEP_NAME, each)
-                           and each > name and os.path.isfile(
-                               os.path.join(root, each, MANIFEST)))
+            later = [each for each in complete_steps(root) if each > name]
             self.abandoned = set(later) | set((meta_of(resumed) or {}).get(SET_BACK_FROM, []))
             if later:
                 say(f"{PREFIX}{root} holds step folders after {name}, which this run "
@@ -309,11 +307,10 @@ def prune(root: str, keep_last: int, current: str,
     earlier one). Rank 0, once ``latest`` is written; the deleted directories."""
     names = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name))
 
-    def complete(name: str) -> bool:
-        return os.path.isfile(os.path.join(root, name, MANIFEST))
+    done = set(complete_steps(root))
     upto = [name for name in names if name <= os.path.basename(current) and (
-        name not in abandoned or not complete(name))]
-    complete_ones = [name for name in upto if complete(name)]
+        name not in abandoned or name not in done)]
+    complete_ones = [name for name in upto if name in done]
     kept = set(complete_ones[-keep_last:]) | {os.path.basename(current)}
     named = latest(root)
     if named:
