@@ -808,13 +808,14 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     if not os.path.isfile(path):
         raise SourceError(f"{path}: input file {not_found(path)}")
     with open(path, "rb") as data:
-        head = data.read(6)
+        head = data.read(4096)
+    first = _first_line(head)
     _refuse_compressed(path, head)
     _refuse_wide_text(path, head)
     fmt = input_format
     suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl
     if fmt != "parquet" and suffix in (".tsv", ".csv", ".txt") and not (
-            _json_lines(path) or _json_array(path)):     # (JSON by its contents: read as one)
+            _json_lines(path) or first.startswith(b"[")):     # (JSON by its contents: read as one)
         raise SourceError(f"{path}: mimo-shard build reads no {suffix} file: write utterances "
                           "(Common Voice's TSV, LibriSpeech's trans.txt) as a NeMo speech "
                           "manifest, a JSONL of {\"audio_filepath\", \"text\"} a line "
@@ -827,9 +828,9 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     if fmt == "auto" and suffix == ".parquet":
         fmt = "parquet"
     # a file opening a JSON array is one whatever its name (a list of records saved as .jsonl)
-    lines = fmt in ("auto", "llava") and not _json_array(path) and (
+    lines = fmt in ("auto", "llava") and not first.startswith(b"[") and (
         suffix in _LINES_SUFFIXES or _json_lines(path))
-    if lines and _first_line(path) == b"{":
+    if lines and first == b"{":
         raise SourceError(f"{path}: its first line is '{{' alone: JSON objects written over "
                           "several lines (pretty-printed; jq without -c), where JSONL holds "
                           "one a line: write them so (e.g. jq -c . FILE > records.jsonl)")
@@ -898,17 +899,11 @@ def _leading_records(path: str):
                 return
 
 
-def _first_line(path: str) -> bytes:
-    """``path``'s first non-blank line (of its first 4 KiB), stripped, without a BOM."""
-    with open(path, "rb") as data:
-        head = data.read(4096).removeprefix(codecs.BOM_UTF8)
+def _first_line(head: bytes) -> bytes:
+    """The first non-blank line of ``head`` (a file's first bytes), stripped, without a BOM:
+    one opening '[' is a JSON array (never read as lines: it may be one long)."""
+    head = head.removeprefix(codecs.BOM_UTF8)
     return next((line.strip() for line in head.splitlines() if line.strip()), b"")
-
-
-def _json_array(path: str) -> bool:
-    """Whether ``path``'s first character but a BOM and white space is '[': a JSON array
-    (never read as lines: it may be one long)."""
-    return _first_line(path).startswith(b"[")
 
 
 def _json_lines(path: str) -> bool:
