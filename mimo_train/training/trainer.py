@@ -464,7 +464,8 @@ class Trainer:
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
             f"{run.micro_batch_size} per language DP rank per step")
         opt, saved = self.cfg.optimizer, self.cfg.checkpoint
-        own = [name for name, module in opt.modules.items() if module.lr is not None]
+        own = [name for name, module in opt.modules.items()     # a schedule of its own
+               if (module.lr, module.min_lr, module.warmup_steps) != (None, None, None)]
         say(f"{PREFIX}steps {self.step + 1} to {run.steps} of global batch "
             f"{run.global_batch_size}, precision {run.precision}, lr {opt.lr:g} (warmup "
             f"{self.cfg.warmup_steps()[0]}, cosine to {opt.min_lr:g}"
