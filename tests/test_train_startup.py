@@ -688,7 +688,7 @@ def test_one_process_for_a_layout_of_several_ranks_is_told_to_use_torchrun(monke
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(start_checks.dist, "get_world_size", lambda: 1)
     assert start_checks._alone(layout) == (
-        " (this is one process, started without torchrun: the layout's 3 ranks are torchrun "
-        "--nproc-per-node 3 -m mimo_train ...)")
+        " (this is one process, started without torchrun; on this machine: torchrun "
+        "--standalone --nproc-per-node 3 -m mimo_train ...)")
     monkeypatch.setenv("RANK", "0")
     assert start_checks._alone(layout) == ""

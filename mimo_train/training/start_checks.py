@@ -104,9 +104,8 @@ def _alone(layout: Layout) -> str:
     layout of several ranks, how to start them."""
     if "RANK" in os.environ or dist.get_world_size() != 1 or layout.world_size == 1:
         return ""
-    return (f" (this is one process, started without torchrun: the layout's "
-            f"{layout.world_size} ranks are torchrun --nproc-per-node {layout.world_size} -m "
-            "mimo_train ...)")
+    return (" (this is one process, started without torchrun; on this machine: torchrun "
+            f"--standalone --nproc-per-node {layout.world_size} -m mimo_train ...)")
 
 
 def _uneven_nodes() -> str:
