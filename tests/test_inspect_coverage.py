@@ -190,15 +190,16 @@ def test_a_content_with_media_is_found_around_its_wrap_and_timestamp_tokens():
     template writes around each (wrap tokens, Qwen3-VL's frame timestamps), whole runs only:
     three clips of 300 frames each are one marker each, and a content that is not there is
     said so at once (a regex that tried every split of the frames ran for minutes)."""
-    from mimo_data.inspect.stats import _locate
+    from mimo_data.inspect.stats import _item, _locate
     clip = "".join(f"<{i / 2:.1f} seconds><|vision_start|>\x00<|vision_end|>" for i in range(300))
     text = f"<|im_start|>user\n{clip}\n{clip} and {clip}\nWhat happens?<|im_end|>"
     start, end = text.index("<0.0"), text.index("<|im_end|>")
     clips = [(a, a + len(clip)) for a in (start, start + len(clip) + 1,
                                             start + 2 * len(clip) + 6)]
-    assert _locate(text, "\x00\n\x00 and \x00\nWhat happens?", 0) == (start, end, tuple(clips))
-    assert _locate(text, "\x00\n\x00 and \x00\nWhat is missing?", 0) is None
-    assert _locate(text, "\x00 and \x00\nWhat happens?", 0) == (
+    assert _locate(text, "\x00\n\x00 and \x00\nWhat happens?", 0, (), _item()) == (
+        start, end, tuple(clips))
+    assert _locate(text, "\x00\n\x00 and \x00\nWhat is missing?", 0, (), _item()) is None
+    assert _locate(text, "\x00 and \x00\nWhat happens?", 0, (), _item()) == (
         clips[1][0], end, tuple(clips[1:]))                             # not the first clip
     assert all(text[a:b] == clip for a, b in clips)
 
@@ -206,7 +207,7 @@ def test_a_content_with_media_is_found_around_its_wrap_and_timestamp_tokens():
 def test_the_tokens_around_a_medium_are_not_counted_as_its_turns_characters():
     """A user turn whose image's wrap tokens and first word are trained: its trained content
     characters are the word's 3, not the wrap tokens' 30 (nor all 10 of its text)."""
-    from mimo_data.inspect.stats import _locate, _wrong_chars
+    from mimo_data.inspect.stats import _item, _locate, _wrong_chars
     pieces = ["<|im_start|>user\n", "<|vision_start|>", "\x00", "<|vision_end|>\nWho",
               " is this?<|im_end|>"]
     kinds = [0, 1, 2, 1, 0]                         # 1: trained, 2: placeholders
@@ -214,6 +215,6 @@ def test_the_tokens_around_a_medium_are_not_counted_as_its_turns_characters():
     for piece in pieces:
         starts.append(starts[-1] + len(piece))
     text = "".join(pieces)
-    found = _locate(text, "\x00\nWho is this?", 0)
+    found = _locate(text, "\x00\nWho is this?", 0, (), _item())
     assert found is not None and text[found.start:found.end].startswith("<|vision_start|>")
     assert _wrong_chars(found, True, text, pieces, starts, kinds, 0) == len("Who")

@@ -467,14 +467,14 @@ class Found(NamedTuple):
     media: tuple[tuple[int, int], ...] = ()
 
 
-def _locate(text: str, content: str, start: int, media: Sequence[tuple[int, int]] = (),
-            item: str | None = None) -> Found | None:
+def _locate(text: str, content: str, start: int, media: Sequence[tuple[int, int]],
+            item: str) -> Found | None:
     """Where ``content`` is in ``text`` from ``start``; whitespace may differ (tokenizers that
     do not decode it back exactly), and a medium's placeholder may stand between the tokens
     the template writes around it (``item``: ``_item``'s pattern of one); None when absent. A
     match begun inside one of the ``media`` runs (its wrap tokens: a caption "end" in
     <|vision_end|>) is none: the text is searched again after the run."""
-    while (found := _find(text, content, start, item or _item())) is not None:
+    while (found := _find(text, content, start, item)) is not None:
         run = next((end for begin, end in media if begin < found.start < end), None)
         if run is None:
             return found
