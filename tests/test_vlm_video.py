@@ -352,7 +352,9 @@ def test_the_video_processor_is_read_from_any_file_that_gives_it(tmp_path):
 
 def test_a_sample_too_long_for_its_videos_says_which_settings_shorten_it(media):
     """A video sample above seq_length, most of it the clip's tokens: the drop names the
-    video settings that shorten it, beside raising seq_length."""
+    video settings that shorten it, beside raising seq_length. With Qwen3-VL's timestamps
+    (a text and wraps every two frames) outweighing the clip's placeholders, fewer frames
+    alone shortens it: pixels are not advised."""
     from mimo_data.preprocess.preprocessor import SampleDropped
     config = dataclasses.replace(config_for(CHECKPOINTS["qwen2-vl"]), seq_length=64)
     record, member_bytes = _records(media)[0]
@@ -364,6 +366,14 @@ def test_a_sample_too_long_for_its_videos_says_which_settings_shorten_it(media):
                      r"\(\d+, the floor of each frame\) for fewer tokens a frame, or cap the "
                      r"clip \(cap_pixels_per_frame with max_video_tokens\), or raise "
                      r"seq_length$", dropped.value.detail), dropped.value.detail
+    timed = dataclasses.replace(config_for(MODELS / "published" / "Qwen--Qwen3-VL-2B-Instruct"),
+                                seq_length=64)
+    with pytest.raises(SampleDropped) as dropped:
+        Preprocessor(timed, with_media=False)(record)
+    assert re.search(r"of them its videos': (\d+) placeholders and (\d+) timestamp and wrap "
+                     r"tokens \(a run of them every 2 frames, whatever a frame's pixels\): lower "
+                     r"modalities.video fps \(\d.*\) or max_frames \(\d+\) for fewer frames, "
+                     r"or raise seq_length$", dropped.value.detail), dropped.value.detail
 
 
 @pytest.mark.parametrize("layout, expected", [

@@ -282,7 +282,9 @@ class Preprocessor:
                     return shorter, kept
                 shortest = len(shorter.ids) - 1
         # a video's share: its placeholders, wraps and (Qwen3-VL) timestamps; the images'
-        videos = sum(self.text.span(item) for item in counts if item.modality == "video")
+        clips = [item for item in counts if item.modality == "video"]
+        videos = sum(self.text.span(item) for item in clips)
+        placeholders = sum(item.tokens for item in clips)
         images = sum(self.text.span(item) for item in counts if item.modality == "image")
         raise SampleDropped("too_long", f"{len(encoded.ids) - 1} tokens, above seq_length "
                             f"{self.config.seq_length}" +
@@ -291,7 +293,8 @@ class Preprocessor:
                              f" even with only its first turns ({shortest} tokens up to its "
                              "first trained answer)" if messages and
                              self.config.length_policy == "truncate_turns" else "") +
-                            (f"; {videos} of them its videos': {self._video_advice()}, or "
+                            (f"; {videos} of them its videos': "
+                             f"{self._video_advice(videos - placeholders, placeholders)}, or "
                              "raise seq_length" if 2 * videos > self.config.seq_length else "") +
                             (f"; {images} of them its images': {self._image_advice()}, or raise "
                              "seq_length" if 2 * images > self.config.seq_length else ""))
@@ -305,14 +308,20 @@ class Preprocessor:
                     f"{image.min_pixels} is each image's floor) for fewer tokens an image")
         return "give fewer images a sample (each is its fixed count of tokens)"
 
-    def _video_advice(self) -> str:
+    def _video_advice(self, texts: int, placeholders: int) -> str:
         """What lowers a clip's tokens, with the config's values: its frames (fps, max_frames)
-        and each frame's (max_pixels, floored by min_pixels), or a cap on them all."""
+        and each frame's (max_pixels, floored by min_pixels), or a cap on them all. Where the
+        clips' ``texts`` (Qwen3-VL's timestamps and wraps, a run per temporal patch) outweigh
+        their ``placeholders``, fewer frames alone lowers them: said first, pixels not."""
         video = self.config.modalities["video"]
-        return (f"lower modalities.video fps ({video.fps:g}: a clip recorded at fewer frames a "
-                f"second keeps its own) or max_frames ({video.max_frames}) for fewer frames, "
-                f"max_pixels ({video.max_pixels}) and min_pixels ({video.min_pixels}, the "
-                "floor of each frame) for fewer tokens a frame, or cap the clip "
+        frames = (f"lower modalities.video fps ({video.fps:g}: a clip recorded at fewer frames "
+                  f"a second keeps its own) or max_frames ({video.max_frames}) for fewer frames")
+        if texts > placeholders:
+            return (f"{placeholders} placeholders and {texts} timestamp and wrap tokens (a run "
+                    f"of them every {video.temporal_patch_size} "
+                    f"frames, whatever a frame's pixels): {frames}")
+        return (f"{frames}, max_pixels ({video.max_pixels}) and min_pixels ({video.min_pixels}, "
+                "the floor of each frame) for fewer tokens a frame, or cap the clip "
                 "(cap_pixels_per_frame with max_video_tokens)")
 
     def _encoder_inputs(self, key, items, media, token_counts) -> dict:
