@@ -55,6 +55,11 @@ CONVERSATIONS: Conversations = {
     "multi-turn": (turns("<video>\nWhat is shown?", "A turned clip.",
                          "<image>\nAnd here?", "A camera."), ["rotated_h264_24", "camera.png"]),
     "text": (turns("What is a tar file?", "An archive."), []),
+    # a system turn before a clip; two clips in one turn between two images
+    "system-video": ([{"role": "system", "content": "You describe clips briefly."},
+                      *turns("<video>\nWhat moves?", "A cat, closer.")], ["zoom_mpeg4_10"]),
+    "two-videos": (turns("<image><video><video><image>\nWhich differ?", "The clips."),
+                   ["chelsea.jpg", "pan_h264_24", "zoom_mpeg4_10", "camera.png"]),
 }
 
 
@@ -204,7 +209,7 @@ def test_pixels_and_grids_equal_the_processors(samples, reference, config, proce
     pictures = {key: [ImageOps.exif_transpose(Image.open(io.BytesIO(media[name]))).convert("RGB")
                       for name in CONVERSATIONS[key][1] if name in PHOTOS]
                 for key in CONVERSATIONS}
-    for key in ("mixed", "multi-turn", "video"):
+    for key in ("mixed", "multi-turn", "video", "system-video", "two-videos"):
         inputs, theirs = samples[key].encoder_inputs, reference[key]
         video = inputs["video"]
         assert video["pixel_values_videos"].dtype == torch.uint8
