@@ -193,6 +193,14 @@ def test_videos_carry_the_processors_timestamps(records, reference, processor, c
         Preprocessor(short, with_media=False)(record)
     # mimo-inspect's line shows the sampled frames and these timestamps
     assert _frame_times_line(item, config).endswith("timestamps " + " ".join(texts))
+    # a ten-minute clip's hundreds of frames and timestamps are abridged: its first and last
+    long = {**item, "frames": 3000, "fps": 5.0}
+    times, texts = VIDEO.frame_times(long, video), VIDEO.placeholder_texts(long, video)
+    assert len(times) == 2 * len(texts) > 100
+    assert _frame_times_line(long, config) == (
+        f"frames at {' '.join(f'{t:.2f}' for t in times[:16])} ... "
+        f"{' '.join(f'{t:.2f}' for t in times[-4:])} s ({len(times)} sampled), timestamps "
+        f"{' '.join(texts[:16])} ... {' '.join(texts[-4:])}")
     plain = dataclasses.replace(video, timestamps=False)
     assert VIDEO.placeholder_texts(item, plain) == ()      # type: ignore[arg-type]
 

@@ -174,8 +174,19 @@ def _frame_times_line(item: dict, config) -> str:
         return f"frames: none sampled ({exc})"
     if times is None:
         return ""
-    line = f"frames at {' '.join(f'{t:.2f}' for t in times)} s ({len(times)} sampled)"
-    return line + (f", timestamps {' '.join(texts)}" if texts else "")
+    line = f"frames at {_abridged([f'{t:.2f}' for t in times])} s ({len(times)} sampled)"
+    return line + (f", timestamps {_abridged(list(texts))}" if texts else "")
+
+
+_SHOWN = 24     # the values of a frame-times line shown whole; a longer one is abridged
+
+
+def _abridged(values: list[str]) -> str:
+    """``values`` joined by spaces; past ``_SHOWN`` (a long clip's hundreds), its first 16,
+    '...' and its last 4."""
+    if len(values) <= _SHOWN:
+        return " ".join(values)
+    return " ".join([*values[:16], "...", *values[-4:]])
 
 
 def sample_problems(stats: SampleStats) -> list[str]:
