@@ -96,6 +96,10 @@ def test_packing_keeps_each_micro_batch_and_packs_its_samples(source, balance):
         assert bounds == np.concatenate([[0], np.cumsum(lengths)]).tolist()
         assert batch["input_ids"].shape == (1, sum(lengths))
         assert batch["packing_kwargs"]["max_seqlen_q"] == max(lengths)
+        # self-attention: the keys' bounds are the queries' (megatron-core's PackedSeqParams
+        # reads both)
+        assert batch["packing_kwargs"]["cu_seqlens_kv"].tolist() == bounds
+        assert batch["packing_kwargs"]["max_seqlen_kv"] == max(lengths)
         assert sum(meta["sequences"]) == len(lengths)
         at = 0
         for count in meta["sequences"]:

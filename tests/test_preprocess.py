@@ -695,6 +695,23 @@ def test_token_crossing_into_the_answer_is_a_template_mismatch(records):
     assert dropped.value.reason == "template_mismatch" and "crosses" in dropped.value.detail
 
 
+def test_an_empty_token_inside_an_answer_is_never_trained():
+    """A token covering no characters (offsets (a, a)) predicts no text of the answer,
+    wherever it lies: the mask trains exactly the tokens with characters inside the span."""
+    import numpy as np
+    from mimo_data.preprocess.chat_render import TrainedSpan
+    from mimo_data.preprocess.trained_spans import TrainedSpans
+    text = "Q? Hello there"
+    spans = TrainedSpans()
+    spans.add(0, 0, [TrainedSpan(3, len(text), True)])
+    offsets = np.array([(0, 2), (2, 3), (3, 8), (8, 8), (8, 14), (14, 14)])
+    failed: dict = {}
+    mask = spans.inside(offsets, text, [0], failed)
+    assert not failed
+    assert mask.trained.tolist() == [False, False, True, False, True, False]
+    assert mask.eos_at.tolist() == [5] and mask.eos_texts.tolist() == [0]
+
+
 def test_piece_cached_tokenization_gives_the_tokenizers_samples(records):
     cached = Preprocessor(config(), with_media=False)
     plain = Preprocessor(config(), with_media=False,

@@ -184,6 +184,11 @@ def test_videos_carry_the_processors_timestamps(records, reference, processor, c
     span = len(ids) - ids[::-1].index(end) - ids.index(start)
     tokens = int(reference["video"]["video_grid_thw"].prod()) // 4
     assert preprocessor.text.span(ItemTokens("video", tokens, texts)) == span > tokens + 2
+    # an image's span: its placeholders and the two wraps around them, as the processor's
+    pictured = reference["image"]["input_ids"][0].tolist()
+    image_span = len(pictured) - pictured[::-1].index(end) - pictured.index(start)
+    image_tokens = int(reference["image"]["image_grid_thw"].prod()) // 4
+    assert preprocessor.text.span(ItemTokens("image", image_tokens)) == image_span
     # which a sample too long, most of it that span, is told to shorten (its placeholders
     # alone, fewer than half its tokens, would not say so)
     from mimo_data.preprocess.preprocessor import SampleDropped
