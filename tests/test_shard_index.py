@@ -469,6 +469,11 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
     fs = fsspec.filesystem("s3", **local_s3.storage_options)
     for path in sorted(pairs.src.glob("*.tar")):
         fs.pipe_file(f"{BUCKET}/laion/{path.name}", path.read_bytes())
+    # left out as a local folder's walk leaves them (the index's bytes equal the local one's,
+    # below): a hidden folder's tar, macOS's ._NAME beside a tar, a hidden tar
+    fs.pipe_file(f"{BUCKET}/laion/.old/{path.name}", path.read_bytes())
+    fs.pipe_file(f"{BUCKET}/laion/._{path.name}", b"\x00\x05\x16\x07Mac OS X")
+    fs.pipe_file(f"{BUCKET}/laion/.{path.name}", path.read_bytes())
     url = f"s3://{BUCKET}/laion"
     monkeypatch.setenv("MIMO_CACHE_DIR", str(tmp_path / "cache"))
     index([url], str(tmp_path / "idx"), IndexOptions(workers=0, progress=False),
@@ -688,6 +693,9 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
      "a sample_loader is Python code mimo does not run"),
     ("sample_type: {__module__: megatron.energon, __class__: InterleavedSample}\n"
      "field_map: {sequence: json}\n", "sample type InterleavedSample with fields sequence"),
+    # one of Energon's own sample types is no misspelling of one mimo reads
+    ("sample_type: {__module__: megatron.energon, __class__: OCRSample}\n"
+     "field_map: {image: jpg, text: txt}\n", "sample type OCRSample with fields image, text"),
     # a class of one's own named as Energon's: not read as Energon's
     ("sample_type: {__module__: my_project.samples, __class__: CaptioningSample}\n"
      "field_map: {image: jpg, caption: txt}\n", "sample type my_project.samples."
@@ -1822,7 +1830,7 @@ def test_a_folder_with_a_held_out_split_is_refused(corpus_photos, tmp_path):
 
 def test_tars_under_a_linked_folder_are_indexed_once(corpus_photos, tmp_path):
     """A dataset's parts mounted as linked folders are under it: indexed; a link back up
-    (a loop) reads each real folder once."""
+    (a loop) reads each real folder once. Hidden tars are left out, said so."""
     from mimo_data.shards.in_place import IndexOptions, index
 
     _, photo, _, _ = corpus_photos[0]
@@ -1832,10 +1840,16 @@ def test_tars_under_a_linked_folder_are_indexed_once(corpus_photos, tmp_path):
             writer.write({"__key__": part.replace("/", "-"), "jpg": photo, "txt": "A photo."})
     (tmp_path / "src" / "part1").symlink_to(tmp_path / "elsewhere" / "part1")
     (tmp_path / "src" / "part0" / "up").symlink_to(tmp_path / "src")
-    with contextlib.redirect_stderr(io.StringIO()):
+    # hidden files left out, as `DIR/*.tar` leaves them: macOS's ._NAME beside a tar copied
+    # off a Mac (no tar: it refused the folder), a hidden tar (indexed, trained)
+    (tmp_path / "src" / "part0" / "._data-0.tar").write_bytes(b"\x00\x05\x16\x07" * 1024)
+    shutil.copy(tmp_path / "src" / "part0" / "data-0.tar", tmp_path / "src" / ".data-1.tar")
+    with contextlib.redirect_stderr(io.StringIO()) as said:
         built = index([str(tmp_path / "src")], str(tmp_path / "idx"),
                       IndexOptions(workers=0, progress=False, check="header"))
     assert built["totals"]["samples"] == 2 and built["totals"]["shards"] == 2, built["totals"]
+    assert f"{tmp_path / 'src'}: 2 hidden tar(s) left out, e.g. .data-1.tar (macOS writes " \
+        "._NAME beside each file it copies): name them to index them" in said.getvalue()
 
 
 def test_a_tif_member_is_read_as_an_image(corpus_photos, tmp_path):

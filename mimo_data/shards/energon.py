@@ -73,6 +73,13 @@ _FIELDS = {"CaptioningSample": ("image", "caption"), "VQASample": ("image", "con
            "VQAOCRSample": ("image", "context", "answers")}
 
 
+# Energon's own sample types (megatron-energon 7), none a misspelling of another
+ENERGON_TYPES = frozenset({
+    "CaptioningSample", "VQASample", "VQAOCRSample", "OCRSample", "ImageSample",
+    "ImageClassificationSample", "InterleavedSample", "SimilarityInterleavedSample",
+    "MultiChoiceVQASample", "TextSample", "VidQASample", "CrudeSample"})
+
+
 def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMap, list[str]]:
     """The layout of the dataset's ``field_map``: CaptioningSample's ``image`` + ``caption``
     are caption pairs, VQASample's ``image`` + ``context`` + ``answers`` a question-answer
@@ -127,7 +134,10 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
     if kind in ("VQASample", "VQAOCRSample"):
         return MemberMap("vqa", media=fields["image"], question=fields["context"],
                          text=fields["answers"], weights=fields.get("answer_weights", "")), unread
-    raise SourceError(f"{where}: sample type {kind or '?'}{meant([kind], _FIELDS)} with "
+    # a sample type of Energon's own is no misspelling of one mimo reads (OCRSample is not
+    # VQAOCRSample)
+    hint = "" if kind in ENERGON_TYPES else meant([kind], _FIELDS)
+    raise SourceError(f"{where}: sample type {kind or '?'}{hint} with "
                       f"fields {listed(sorted(fields))}: mimo "
                       "indexes CaptioningSample (image, caption) and VQASample (image, context, "
                       f"answers); {OTHERWISE}")

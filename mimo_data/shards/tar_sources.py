@@ -90,9 +90,19 @@ def _is_pattern(path: str) -> bool:
     return any(c in path for c in "*?[")
 
 
+def _hidden(root: str, path: str) -> bool:
+    """Whether the file ``path`` under ``root`` is hidden or in a hidden folder, as a shell
+    glob (webdataset's ``DIR/*.tar``) leaves it out: macOS's ``._NAME.tar`` beside each tar
+    copied off a Mac, a tar set aside as ``.old.tar``; Energon's ``.nv-meta`` and its files
+    are not."""
+    folders = _folders(root, path)
+    return any(folder.startswith(".") and folder != energon.META for folder in folders) or (
+        posixpath.basename(path.replace(os.sep, "/")).startswith(".")
+        and folders[-1:] != [energon.META])
+
+
 def _list_files(location: str, storage_options: dict | None) -> list[str]:
-    """Every file under ``location`` (hidden folders left out, but for Energon's ``.nv-meta``:
-    ``_energon_below`` finds a dataset there), sorted."""
+    """Every file under ``location`` (hidden folders and files too: ``_hidden``), sorted."""
     if storage.is_remote(location):
         remote = storage.Remote(location, storage_options)
         protocol = location.partition("://")[0]
@@ -266,7 +276,17 @@ def _resolve(sources: list[str], options: IndexOptions,
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
     if folder_given:
-        files = _list_files(root, storage_options)
+        files: list[str] = []
+        hidden: list[str] = []
+        for path in _list_files(root, storage_options):
+            (hidden if _hidden(root, path) else files).append(path)
+        # left out as a shell's glob leaves them, not without a word (a local walk does not
+        # enter hidden folders: their tars are not listed to be said)
+        tars = [path for path in hidden if path.lower().endswith(".tar")]
+        if tars:
+            say(f"{root}: {len(tars)} hidden tar(s) left out, e.g. "
+                f"{'/'.join([*_folders(root, tars[0]), posixpath.basename(tars[0])])} (macOS "
+                "writes ._NAME beside each file it copies): name them to index them")
         below = _energon_below(files)
         if below:
             raise IndexInputError(f"{root} holds the Energon dataset {below}: give that "
