@@ -373,6 +373,19 @@ def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
             _check_adapters(str(tmp_path), held(*layers), saved, meta)
     _check_adapters(str(tmp_path), held(0), saved, meta)
     _check_adapters(str(tmp_path), held(0, 1) | {one + "lora.a.weight"}, saved, meta)
+    # the refusal names what this run's model.lora changed, and for a frozen part the lr-0 way
+    tower = "modality_submodules.image.module.encoders.image.encoder.model.blocks.0.attn.proj."
+    saved = {tower + "weight", tower + "lora.a.weight"}
+    meta = {"config": {"model": {"lora": {"image": {"targets": ["attn.qkv", "attn.proj"]}}}}}
+    with pytest.raises(CheckpointError, match=r"model.lora.image.targets \['attn.qkv', "
+                       r"'attn.proj'\] in the checkpoint, \['attn.qkv'\] in this run"):
+        _check_adapters(str(tmp_path), {tower + "weight"}, saved, meta,
+                        {"lora": {"image": {"targets": ["attn.qkv"]}}, "freeze": []})
+    with pytest.raises(CheckpointError, match=r"model.lora.image is set in the checkpoint, not "
+                       r"in this run \(model.freeze holds image: .* optimizer.modules.image."
+                       r"lr=0 and optimizer.modules.image.min_lr=0\)"):
+        _check_adapters(str(tmp_path), {tower + "weight"}, saved, meta,
+                        {"lora": {}, "freeze": ["image"]})
 
 
 def test_module_settings_inherit_and_scale_min_lr(tmp_path):
@@ -440,6 +453,11 @@ def test_another_lora_rank_or_targets_on_resume_is_named_as_such():
     lacked = str(_lacks("/ck", [layer.replace("qkv", "fc1") + "lora.a.weight"], meta, ["l"]))
     assert "lacks 1 LoRA adapter weight(s) of this run" in lacked and "saved with model.lora " \
         "{'language': {'rank': 4}}, which adapts other parts or targets" in lacked
+    meta_t = {"config": {"model": {"lora": {"language": {"targets": ["linear_qkv"]}}}}}
+    assert str(_lacks("/ck", [layer.replace("qkv", "fc1") + "lora.a.weight"], meta_t, ["l"],
+                      {"lora": {"language": {"targets": ["linear_qkv", "linear_fc1"]}}})
+               ).endswith("; model.lora.language.targets ['linear_qkv'] in the checkpoint, "
+                          "['linear_qkv', 'linear_fc1'] in this run")
     assert "model.pretrained /m" in str(_lacks("/ck", [layer + "weight"], meta, ["language"]))
     plain = {"config": {"model": {"pretrained": "/m", "lora": {}}}}
     assert "it was saved without LoRA adapters: to add them, start a new run from its " \

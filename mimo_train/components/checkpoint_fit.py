@@ -55,7 +55,7 @@ def check(directory: str, model, global_batch_size: int | None,
     wanted = {t.key: t.global_shape for t in sharded if isinstance(t, ShardedTensor)}
     _check_modules(directory, model, saved, global_batch_size is not None)
     _check_adapters(directory, {t.key for t in sharded if hasattr(t, "key")} |
-                    _numbered_layers(sharded), saved, meta)
+                    _numbered_layers(sharded), saved, meta, settings)
     if global_batch_size is None:          # init_from: adapters it lacks keep their init
         wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
     _check_projections(directory, wanted, saved, meta)
@@ -118,7 +118,7 @@ def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str],
         return CheckpointError(
             f"checkpoint {directory} lacks {len(missing)} LoRA adapter weight(s) of this run, "
             f"e.g. {missing[:3]}: {saved} start a new run from its weights (model.init_from) "
-            "in another checkpoint.dir")
+            "in another checkpoint.dir" + _lora_changes(meta, settings))
     added = sorted(_saved_modules(missing) - set(modules))
     if added:               # a module this run adds: no setting of the checkpoint's changed
         return _without_modules(directory, added, modules, resuming)
@@ -348,7 +348,34 @@ def _numbered_layers(sharded: list) -> set[str]:
             if hasattr(t, "key") and stacked(t.key) for layer in held}
 
 
-def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
+def _lora_changes(meta: dict, settings: dict | None) -> str:
+    """The ``model.lora`` parts and targets this run's model section (``settings``) sets
+    otherwise than the checkpoint's, as '; ' + one clause each ('' where none or unknown);
+    a part the checkpoint adapts and this run freezes gets the way to stop its adapters."""
+    if not isinstance(settings, dict):
+        return ""
+    saved = ((meta.get("config") or {}).get("model") or {}).get("lora") or {}
+    ours = settings.get("lora") or {}
+    freeze = settings.get("freeze") or []
+    said = []
+    for part in sorted(set(saved) | set(ours)):
+        theirs, mine = saved.get(part), ours.get(part)
+        if isinstance(theirs, dict) and not isinstance(mine, dict):
+            said.append(f"model.lora.{part} is set in the checkpoint, not in this run" + (
+                f" (model.freeze holds {part}: a part's adapters cannot be frozen; to stop "
+                f"training them keep model.lora.{part} and set optimizer.modules.{part}.lr=0 "
+                f"and optimizer.modules.{part}.min_lr=0)" if part in freeze else ""))
+        elif isinstance(mine, dict) and not isinstance(theirs, dict):
+            said.append(f"model.lora.{part} is set in this run, not in the checkpoint")
+        elif isinstance(mine, dict) and isinstance(theirs, dict) and \
+                list(theirs.get("targets") or []) != list(mine.get("targets") or []):
+            said.append(f"model.lora.{part}.targets {list(theirs.get('targets') or [])} in "
+                        f"the checkpoint, {list(mine.get('targets') or [])} in this run")
+    return "; " + "; ".join(said) if said else ""
+
+
+def _check_adapters(directory: str, wanted: set, saved, meta: dict,
+                    settings: dict | None = None) -> None:
     """A checkpoint with LoRA adapters on layers of this rank's modules that this run does not
     adapt is refused: its weights without them are not the model it saved. ``wanted``: this
     rank's keys, its stacked layers' also each under its own number (``_numbered_layers``)."""
@@ -361,4 +388,4 @@ def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
                     f"checkpoint {directory} holds LoRA adapters (model.lora: {lora}) on "
                     f"layers this run does not adapt, e.g. {key}: give this run the same "
                     "model.lora, or start from its merged export (mimo-export) as "
-                    "model.pretrained")
+                    "model.pretrained" + _lora_changes(meta, settings))
