@@ -185,6 +185,12 @@ def test_a_resume_says_a_pretrained_model_it_does_not_read_and_parts_frozen_from
         "model.freeze now holds audio, which trained until this checkpoint: frozen from here, "
         "their optimizer state dropped (a later resume cannot train them again: "
         "model.init_from can)"]
+    # another LoRA dropout (the same adapters): said; the same one is not
+    lora = {"config": {"model": {"lora": {"language": {"rank": 8, "dropout": 0.0}}}}}
+    assert resume_notes(lora, lora["config"]["model"], []) == []
+    assert resume_notes(lora, {"lora": {"language": {"rank": 8, "dropout": 0.1}}}, []) == [
+        "model.lora.language.dropout is 0.1 here, 0.0 when the checkpoint was saved: its "
+        "adapters train with this dropout from here"]
 
 
 def test_a_resume_is_refused_for_another_global_batch_and_for_adapters_the_checkpoint_lacks(

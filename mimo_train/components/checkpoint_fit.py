@@ -307,7 +307,8 @@ def resume_notes(meta: dict, settings: dict, freeze: Sequence[str]) -> list[str]
     """What a resume that fits (``check``) takes otherwise than its config may suggest, to be
     said: a pretrained model other than the checkpoint's run had (the checkpoint's weights
     continue; the folder's config builds the model), parts frozen now that trained until the
-    checkpoint (their optimizer state dropped, and no later resume trains them again).
+    checkpoint (their optimizer state dropped, and no later resume trains them again), another
+    LoRA dropout.
     ``settings``: this run's model section; ``meta``: the checkpoint's."""
     saved = (meta.get("config") or {}).get("model")
     if not isinstance(saved, dict):
@@ -318,6 +319,11 @@ def resume_notes(meta: dict, settings: dict, freeze: Sequence[str]) -> list[str]
              "files, of the same shapes)" for key in sorted(theirs.keys() & ours.keys())
              if key.rpartition(".")[2] == "pretrained" and _resolved(theirs[key]) !=
              _resolved(ours[key])]
+    # a LoRA part's dropout (its weights the same): its adapters train so from here
+    notes += [f"{key} is {ours[key]} here, {theirs[key]} when the checkpoint was saved: its "
+              "adapters train with this dropout from here" for key in sorted(
+                  theirs.keys() & ours.keys()) if key.startswith("model.lora.") and
+              key.endswith(".dropout") and theirs[key] != ours[key]]
     then = saved.get("freeze") or []
     added = [part for part in freeze if not any(
         part == old or part.startswith(f"{old}.") for old in then)]
