@@ -127,9 +127,12 @@ def _reference(ranks, tmp_path: Path, layout: str, common: list[str]) -> tuple[d
 
 
 def _layout(ranks, tmp_path: Path, name: str, nproc: int, layout: str, micro_batch: int,
-            common: list[str], init: str) -> dict:
+            common: list[str], init: str | None) -> dict:
+    """``init`` None: the layout draws its own weights from ``train.seed`` (in ``common``),
+    which must be the reference's, whatever the layout."""
+    start = [f"model.init_from={init}"] if init is not None else []
     return step(ranks, tmp_path / name, nproc, f"layout={layout}",
-                f"train.micro_batch_size={micro_batch}", f"model.init_from={init}", *common)
+                f"train.micro_batch_size={micro_batch}", *start, *common)
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +237,14 @@ def test_token_balanced_fan_out_matches_colocated(ranks, dynamic_setup):
 
 
 def test_language_pp2_matches_colocated(ranks, dynamic_setup):
-    """With full recomputation of each stage's layers, the last stage's loss in chunks."""
-    tmp, common, reference, init, _ = dynamic_setup
+    """With full recomputation of each stage's layers, the last stage's loss in chunks. The
+    stages draw their weights from the seed, not from the reference's saved ones: a run from
+    config dims must start from the same model under any pipeline split (each stage drawing
+    its layers from the seed's start gave another model: step 1's loss 10.7973 against
+    10.8244 in the demo's images + audio model)."""
+    tmp, common, reference, _, _ = dynamic_setup
     staged = _layout(ranks, tmp, "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2,
-                     [*common, *MEMORY["full"], *MEMORY["chunked"]], init)
+                     [*common, *MEMORY["full"], *MEMORY["chunked"]], None)
     compare(reference, staged, "language pp2, full recompute, chunked loss")
     assert_recomputed(reference, staged, {"language": "full", "image": "none", "audio": "none"})
     assert_chunked(reference, staged)

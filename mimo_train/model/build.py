@@ -163,7 +163,8 @@ class _SeededEncoder(torch.nn.Module):
 
 class _SeededGPTModel(LanguageModel):
     """GPTModel built right after seeding the RNG, as ``_SeededEncoder`` (same weights with
-    or without encoders on the rank; pipeline stages each draw only their layers). Its output
+    or without encoders on the rank), each layer from its own seed (``language_block_spec``:
+    the same weights however the pipeline splits them). Its output
     rows past ``vocabulary`` (``predicted_vocabulary``) get a logit no softmax can weigh, so
     they never enter the loss nor come out of generation. Given labels, its loss is taken at
     the trained tokens only, ``loss_chunk_tokens`` of them at a time (0: all at once;
@@ -330,12 +331,13 @@ def language_model_params(plan: RunPlan, infra: Infra, transformer, vocab: int,
         gpt["position_embedding_type"] = "mrope"
     first_layer = language.pp_rank * (plan.language.num_layers // language.module.pp) \
         if language is not None else 0
+    seed = _module_seed(plan.config.train.seed, LANGUAGE)
     block = language_block_spec(
         transformer, backend=backend, experts=arch.experts if arch else 0,
-        qk_norm=bool(arch and arch.qk_norm), first_layer=first_layer,
+        qk_norm=bool(arch and arch.qk_norm), first_layer=first_layer, seed=seed,
         linear_layers=[arch.linear_layer(i) for i in range(arch.num_layers)] if arch else ())
     return dict(
-        seed=_module_seed(plan.config.train.seed, LANGUAGE), packed_rows=backend != "local",
+        seed=seed, packed_rows=backend != "local",
         loss_chunk_tokens=plan.language.loss_chunk_tokens,
         mrope_interleaved=bool(arch and arch.mrope_interleaved),
         config=transformer,
