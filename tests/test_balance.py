@@ -153,6 +153,35 @@ def test_resume_at_a_step_boundary_is_exact_and_a_mid_step_state_of_another_arra
                      state=loader.state_dict())
 
 
+def test_a_mid_step_state_is_refused_where_other_token_counts_order_that_step_otherwise(
+        source, tmp_path):
+    """Smaller images keep the same samples (the same fingerprint) with fewer image tokens, so
+    a balanced step's places move: resuming inside that step would repeat some of its samples
+    and skip others. The state says which samples the step's consumed part holds."""
+    import yaml
+
+    data = yaml.safe_load(preprocess_config_file(tmp_path / "a.yaml").read_text())
+    data["modalities"]["image"]["max_pixels"] = 50176             # 64 tokens, not 256
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(data))
+    other = DataSource(source.directories, tmp_path / "b.yaml")
+    assert other.fingerprint == source.fingerprint
+    layout = "language=dp1;image=dp2;audio=dp1"
+    firsts = [next(iter(build_loader(data, None, layout, 0, 4, 16, 4, seed=1,
+                                     balance="tokens")))[1]["keys"] for data in (source, other)]
+    assert sorted(firsts[0]) != sorted(firsts[1])           # step 0's first micro-batch moves
+    loader = build_loader(source, None, layout, 1, 4, 16, 4, seed=1, balance="tokens")
+    next(iter(loader))                                      # one micro-batch into step 0
+    state = loader.state_dict()
+    with pytest.raises(LoaderError, match="which this loader orders otherwise"):
+        build_loader(other, None, layout, 1, 4, 16, 4, seed=1, balance="tokens", state=state)
+    # at a step boundary each step keeps its samples whatever their places: resumed
+    for _, meta in loader:
+        if meta["micro_batch"] + 1 == loader.micro_batches_per_step:
+            break
+    build_loader(other, None, layout, 1, 4, 16, 4, seed=1, balance="tokens",
+                 state=loader.state_dict())
+
+
 def test_inspect_plan_shows_the_imbalance_with_and_without(loader_corpus, tmp_path, capsys):
     config = preprocess_config_file(tmp_path / "p.yaml")
     code = inspect_main(["plan", str(loader_corpus), "--config", str(config), "--layout",

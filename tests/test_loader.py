@@ -400,6 +400,12 @@ def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, cor
         build_loader(sources["image"], None, layout, 0, 3, 16, 1, 3, state=state)
     with pytest.raises(LoaderError, match="6 samples into epoch 0"):   # 6 is not a multiple of 4
         build_loader(sources["image"], None, layout, 0, 3, GLOBAL_BATCH, 2, 3, state=state)
+    # a state edited by hand or another program's: a negative position would read the epoch's
+    # end as its start (a slice from the end), never silently
+    for edited in ({"sample_offset": -2}, {"epoch": -1}, {"sample_offset": "6"}):
+        with pytest.raises(LoaderError, match="must be whole numbers >= 0"):
+            build_loader(sources["image"], None, layout, 0, 3, GLOBAL_BATCH, 1, 3,
+                         state={**state, **edited})
 
 
 def test_forked_workers_inherit_the_epoch_order_their_rank_made(loader_corpus, configs,

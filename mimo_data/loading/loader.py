@@ -846,7 +846,25 @@ class RankLoader:
                 "step": self.step, "micro_batch": self.index % self.micro_batches_per_step,
                 "global_batch_size": self.order.global_batch_size,
                 "fingerprint": self.source.fingerprint, "data": self.source.fingerprinted,
-                "arrangement": self._arrangement}
+                "arrangement": self._arrangement,
+                "step_order": self._step_order(self.epoch, self.index *
+                                               self.global_micro_batch_size)}
+
+    def _step_order(self, epoch: int, offset: int) -> str | None:
+        """A digest of the samples a step's part before ``offset`` (samples into ``epoch``)
+        holds, as a set; None at a step boundary. A mid-step state resumes exactly only where
+        that part holds the same samples, so that the rest of the step holds the others: a
+        balanced step's places follow the samples' token counts, which other preprocessing
+        (media budgets, a template) changes while keeping the same samples (the same
+        fingerprint). A set: packing's order within a micro-batch is the layout's own."""
+        batch = self.order.global_batch_size
+        if not offset % batch:
+            return None
+        datasets, positions = self.order.epoch(epoch)
+        start = offset - offset % batch
+        pairs = np.sort(datasets[start:offset].astype(np.int64) << 40 |
+                        positions[start:offset].astype(np.int64))
+        return hashlib.sha256(pairs.tobytes()).hexdigest()[:16]
 
     @property
     def _arrangement(self) -> str:
@@ -880,7 +898,11 @@ class RankLoader:
             raise LoaderError(f"the loader state has seed {state['seed']}, this run "
                               f"{self.order.seed}: set train.seed={state['seed']} (the "
                               "loader's seed) to continue the same order")
-        offset = state["sample_offset"]
+        offset, epoch = state["sample_offset"], state["epoch"]
+        if not all(isinstance(value, int) and not isinstance(value, bool) and value >= 0
+                   for value in (offset, epoch)):
+            raise LoaderError(f"the loader state's epoch {epoch!r} and sample_offset {offset!r} "
+                              "must be whole numbers >= 0: not a state this loader saved")
         if offset % self.global_micro_batch_size or offset >= self.order.samples_per_epoch:
             raise LoaderError(
                 f"the loader state stopped {offset} samples into epoch {state['epoch']}, which "
@@ -896,7 +918,16 @@ class RankLoader:
                 f"{self._arrangement!r} (balance, layout or micro batch changed), so the rest of "
                 "that step would not hold exactly its remaining samples. Resume from a state "
                 "saved at a step boundary (every checkpoint is), or keep the arrangement")
-        self.epoch = state["epoch"]
+        if state.get("step_order") is not None and not allow_fingerprint_mismatch and \
+                state["step_order"] != self._step_order(epoch, offset):
+            raise LoaderError(
+                f"the loader state stopped inside step {offset // self.order.global_batch_size} "
+                f"of epoch {epoch}, which this loader orders otherwise (with data.balance the "
+                "places follow the samples' token counts: other media budgets, seq_length or "
+                "template give others, with the same samples kept), so the rest of that step "
+                "would not hold exactly its remaining samples. Resume from a state saved at a "
+                "step boundary (every checkpoint is), or with the preprocessing it was saved with")
+        self.epoch = epoch
         self.index = offset // self.global_micro_batch_size
         self.close()
 
