@@ -52,6 +52,8 @@ def test_yaml_and_dict_forms_equal_the_string_form(tmp_path):
     ("language=dp1;language=dp1", ["language", "twice"]),
     ("language dp1", ["NAME=FIELD"]),
     ("language=tp1,dp;image=dp1", ["module 'language': field 'dp' needs its number, e.g. dp2"]),
+    ("language=pp2,vp2;image=dp1", ["module 'language': vp2: a virtual (interleaved) pipeline "
+                                    "is not supported", "give ppN alone"]),
     # a field or a modality given twice, never the last one kept (cp2,cp1: no cp at all)
     ("image=dp1,video;language=cp2,cp1", ["module 'language': cp is given twice (cp2, cp1)"]),
     ("image=dp1,video,video;language=dp1", ["module 'image': video is given twice"]),

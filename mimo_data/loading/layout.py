@@ -321,6 +321,10 @@ class Layout:
                 if bare:
                     raise LayoutError(f"module {name!r}: field {item!r} needs its number, "
                                       f"e.g. {bare[1]}2")
+                if re.fullmatch(r"(vp|vpp)\d*", item):
+                    raise LayoutError(f"module {name!r}: {item}: a virtual (interleaved) "
+                                      "pipeline is not supported (each stage runs its layers "
+                                      "as one chunk, 1F1B); give ppN alone")
                 if not match:
                     raise LayoutError(f"module {name!r}: field {item!r} unknown; use tpN, cpN, "
                                       "ppN, dpN, epN (expert parallel), etpN (expert tensor "
