@@ -265,6 +265,7 @@ def test_resume_mid_step_continues_exactly(sources, workers):
         options = dict(layout=layout, rank=rank, world_size=3, global_batch_size=GLOBAL_BATCH,
                        micro_batch_size=1, seed=4, datasets=sources["image"],
                        preprocess_config=None)
+        rng = torch.get_rng_state()
         uninterrupted = list(build_loader(**options, num_workers=whole))
         first = build_loader(**options, num_workers=first_workers)
         head = [item for _, item in zip(range(consumed), first)]
@@ -276,6 +277,10 @@ def test_resume_mid_step_continues_exactly(sources, workers):
         resumed.close()
         assert len(head) + len(tail) == len(uninterrupted)
         assert_same_stream(head + tail, uninterrupted)
+        # a loader's iterator (a run's start, its resume, every evaluation's rewind) draws
+        # nothing from torch's global generator: a draw there moved the training's dropout
+        # (LoRA's, on the CPU), so that a run with evaluations or a resumed one trained others
+        assert torch.equal(torch.get_rng_state(), rng), "the loader drew from torch's generator"
 
 
 def leaves(value, path: str = "") -> dict[str, torch.Tensor]:

@@ -799,8 +799,13 @@ class RankLoader:
                                   self.global_micro_batch_size, self.decode_media,
                                   (self.epoch, self.index), self.split)
             before = set(multiprocessing.active_children())
+            # a generator of its own: torch draws the workers' base seed from it each time an
+            # iterator starts (a resume, every evaluation), which from the global generator
+            # would move the training's random stream (dropout) by one draw each time
             self._stream = iter(torch.utils.data.DataLoader(
-                dataset, batch_size=None, collate_fn=_as_is, **self._loader_options))
+                dataset, batch_size=None, collate_fn=_as_is,
+                generator=torch.Generator().manual_seed(self.order.seed),
+                **self._loader_options))
             if self._loader_options["num_workers"]:
                 self.order.release()        # the workers hold it now
             # the iterator's workers, started with it (``close`` ends any still alive)
