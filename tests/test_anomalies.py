@@ -87,6 +87,9 @@ def test_an_evaluation_counts_each_validation_sample_once(spike):
     (evaluation,) = [r for r in records if "eval_loss" in r]
     assert evaluation["step"] == 6 and len(train) == 6
     assert evaluation["eval_tokens"] == sum(r["tokens"] for r in train)
+    assert evaluation["eval_samples"] == 12                 # the 6 steps of 2 samples
+    assert f"eval step 6: loss {evaluation['eval_loss']:.4f} over " \
+        f"{evaluation['eval_tokens']} tokens of 12 samples\n" in output, output[-4000:]
     assert evaluation["eval_loss"] == pytest.approx(
         sum(r["loss"] * r["tokens"] for r in train) / evaluation["eval_tokens"], rel=1e-5)
 

@@ -256,8 +256,10 @@ def flops_fields(flops: dict[str, float], seconds: float, world_size: int,
             "mfu": rate / peak_tflops if peak_tflops else None}
 
 
-def eval_record(step: int, loss_sum: float, tokens: float) -> dict:
-    return {"step": step, "eval_loss": loss_sum / max(tokens, 1), "eval_tokens": int(tokens)}
+def eval_record(step: int, loss_sum: float, tokens: float, samples: int) -> dict:
+    """An evaluation's record: its loss per trained token, its tokens and samples."""
+    return {"step": step, "eval_loss": loss_sum / max(tokens, 1), "eval_tokens": int(tokens),
+            "eval_samples": samples}
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -280,7 +282,7 @@ def line(record: dict, interval: Sequence[dict] = ()) -> str:
     ends (``train.log_interval`` > 1), whose loss per trained token it adds."""
     if "eval_loss" in record:
         return (f"eval step {record['step']}: loss {record['eval_loss']:.4f} over "
-                f"{record['eval_tokens']} tokens")
+                f"{record['eval_tokens']} tokens of {record['eval_samples']} samples")
     forward = " ".join(f"{k} {v * 1000:.0f}ms" for k, v in record["forward_s"].items())
     skipped = "  (skipped: non-finite gradients)" if record["skipped"] else ""
     lrs = record["lrs"]

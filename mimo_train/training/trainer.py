@@ -716,7 +716,8 @@ class Trainer:
             module.train()
         if self.valid_loader is not None:
             self.valid_loader.load_state_dict(state)        # same batches at every evaluation
-        return eval_record(self.step, total, tokens)
+        return eval_record(self.step, total, tokens,
+                           self.eval_steps * self.cfg.train.global_batch_size)
 
     # -------------------------------------------------------------------------- checkpoints
 
