@@ -13,7 +13,8 @@ for it: a rank's experts are most of its weights.
 It falls back to ``SequentialMLP``'s loop where the experts are not plain SwiGLU linears (LoRA
 adapters on them, biases, another activation, quantized inputs), with one local expert
 (already one GEMM each), and where ``grouped_mm`` does not run on the device in the weights'
-dtype (``_runs``).
+dtype (``_runs``). Each expert is drawn from its own seed, so an expert-parallel rank's experts
+start as one rank's would (megatron-core's loop draws every rank's alike).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 
@@ -101,7 +103,25 @@ def _runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 class GroupedExperts(SequentialMLP):
     """``SequentialMLP`` (same parameters and checkpoints) whose SwiGLU experts run as grouped
-    GEMMs (``grouped_swiglu``)."""
+    GEMMs (``grouped_swiglu``), each expert drawn from its own seed."""
+
+    def __init__(self, num_local_experts: int, config, submodules, pg_collection=None,
+                 name: str | None = None):
+        # megatron-core's loop, each expert seeded from the RNG's state here (the same on
+        # every expert-parallel rank: the layer's seed, then its attention's and router's
+        # draws) and its global number: SequentialMLP draws each rank's experts on from that
+        # state alike, so under ep2 expert 2 started as a copy of expert 0
+        base = int(torch.randint(2 ** 40, ()))
+        super().__init__(0, config, submodules, pg_collection, name)
+        self.num_local_experts = num_local_experts
+        first = self.ep_group.rank() * num_local_experts if self.ep_group is not None else 0
+        for index in range(num_local_experts):
+            torch.manual_seed(base + first + index)
+            self.local_experts.append(MLP(
+                self.config, submodules, ffn_hidden_size=self.config.moe_ffn_hidden_size,
+                is_expert=True, tp_group=pg_collection.expt_tp,
+                name=f"{name}.local_experts.{index}" if name is not None else None))
+        torch.manual_seed(base - 1)     # what the layer draws next (its shared expert) alike
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         if not self._groups():
