@@ -382,10 +382,24 @@ def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
         _check_adapters(str(tmp_path), {tower + "weight"}, saved, meta,
                         {"lora": {"image": {"targets": ["attn.qkv"]}}, "freeze": []})
     with pytest.raises(CheckpointError, match=r"model.lora.image is set in the checkpoint, not "
-                       r"in this run \(model.freeze holds image: .* optimizer.modules.image."
-                       r"lr=0 and optimizer.modules.image.min_lr=0\)"):
+                       r"in this run \(model.freeze holds image: .* drop image from model."
+                       r"freeze, .* optimizer.modules.image.lr=0 and optimizer.modules.image."
+                       r"min_lr=0\)"):
         _check_adapters(str(tmp_path), {tower + "weight"}, saved, meta,
                         {"lora": {}, "freeze": ["image"]})
+    # a part's tower adapted, the whole module frozen now: the module's lr, said as all of it
+    meta = {"config": {"model": {"lora": {"image.encoder": {"targets": ["attn.proj"]}}}}}
+    with pytest.raises(CheckpointError, match=r"model.freeze holds image: .* keep model.lora."
+                       r"image.encoder and set optimizer.modules.image.lr=0 and optimizer."
+                       r"modules.image.min_lr=0, which stops all of image\)"):
+        _check_adapters(str(tmp_path), {tower + "weight"}, saved, meta,
+                        {"lora": {}, "freeze": ["image"]})
+    # the same targets in another order are none changed (no clause for them)
+    meta = {"config": {"model": {"lora": {"image": {"targets": ["attn.proj", "attn.qkv"]}}}}}
+    with pytest.raises(CheckpointError) as refused:
+        _check_adapters(str(tmp_path), {tower + "weight"}, saved, meta,
+                        {"lora": {"image": {"targets": ["attn.qkv", "attn.proj"]}}, "freeze": []})
+    assert "targets" not in str(refused.value).partition("merged export")[2]
 
 
 def test_module_settings_inherit_and_scale_min_lr(tmp_path):

@@ -366,15 +366,21 @@ def _lora_changes(meta: dict, settings: dict | None) -> str:
     said = []
     for part in sorted(set(saved) | set(ours)):
         theirs, mine = saved.get(part), ours.get(part)
+        # a freeze entry taking in the part or inside it (image, image.encoder) clashes
+        clash = next((entry for entry in freeze if entry == part or part.startswith(
+            f"{entry}.") or entry.startswith(f"{part}.")), None)
+        module = part.partition(".")[0]         # optimizer.modules takes whole modules
         if isinstance(theirs, dict) and not isinstance(mine, dict):
             said.append(f"model.lora.{part} is set in the checkpoint, not in this run" + (
-                f" (model.freeze holds {part}: a part's adapters cannot be frozen; to stop "
-                f"training them keep model.lora.{part} and set optimizer.modules.{part}.lr=0 "
-                f"and optimizer.modules.{part}.min_lr=0)" if part in freeze else ""))
+                f" (model.freeze holds {clash}: a part's adapters cannot be frozen; to stop "
+                f"training them drop {clash} from model.freeze, keep model.lora.{part} and set "
+                f"optimizer.modules.{module}.lr=0 and optimizer.modules.{module}.min_lr=0"
+                + (f", which stops all of {module}" if module != part else "") + ")"
+                if clash else ""))
         elif isinstance(mine, dict) and not isinstance(theirs, dict):
             said.append(f"model.lora.{part} is set in this run, not in the checkpoint")
         elif isinstance(mine, dict) and isinstance(theirs, dict) and \
-                list(theirs.get("targets") or []) != list(mine.get("targets") or []):
+                sorted(theirs.get("targets") or []) != sorted(mine.get("targets") or []):
             said.append(f"model.lora.{part}.targets {list(theirs.get('targets') or [])} in "
                         f"the checkpoint, {list(mine.get('targets') or [])} in this run")
     return "; " + "; ".join(said) if said else ""
