@@ -172,6 +172,7 @@ def test_a_mid_step_state_is_refused_where_other_token_counts_order_that_step_ot
     loader = build_loader(source, None, layout, 1, 4, 16, 4, seed=1, balance="tokens")
     next(iter(loader))                                      # one micro-batch into step 0
     state = loader.state_dict()
+    build_loader(source, None, layout, 1, 4, 16, 4, seed=1, balance="tokens", state=state)
     with pytest.raises(LoaderError, match="which this loader orders otherwise"):
         build_loader(other, None, layout, 1, 4, 16, 4, seed=1, balance="tokens", state=state)
     # at a step boundary each step keeps its samples whatever their places: resumed

@@ -130,7 +130,11 @@ def _glob(pattern: str, storage_options: dict | None) -> list[str]:
         remote = storage.Remote(pattern, storage_options)
         protocol = pattern.partition("://")[0]
         found = remote.retried(f"listing {pattern}", lambda: remote.fs.glob(pattern))
-        return sorted(p if "://" in p else f"{protocol}://{p}" for p in found)
+        # hidden names matched only by a pattern naming them (.x*), as Python's glob (fsspec's
+        # matches macOS's ._NAME.tar with *.tar)
+        hidden = posixpath.basename(pattern).startswith(".")
+        return sorted(p if "://" in p else f"{protocol}://{p}" for p in found
+                      if hidden or not posixpath.basename(p).startswith("."))
     return sorted(os.path.abspath(p) for p in glob.glob(storage.local_path(pattern)))
 
 
@@ -284,9 +288,12 @@ def _resolve(sources: list[str], options: IndexOptions,
         # enter hidden folders: their tars are not listed to be said)
         tars = [path for path in hidden if path.lower().endswith(".tar")]
         if tars:
+            apple = sum(posixpath.basename(path).startswith("._") for path in tars)
             say(f"{root}: {len(tars)} hidden tar(s) left out, e.g. "
-                f"{'/'.join([*_folders(root, tars[0]), posixpath.basename(tars[0])])} (macOS "
-                "writes ._NAME beside each file it copies): name them to index them")
+                f"{'/'.join([*_folders(root, tars[0]), posixpath.basename(tars[0])])}" + (
+                    f" ({apple} of them macOS's ._NAME, the metadata it writes beside each "
+                    "file it copies: no tar)" if apple else "") +
+                ": name a hidden tar to index it")
         below = _energon_below(files)
         if below:
             raise IndexInputError(f"{root} holds the Energon dataset {below}: give that "
