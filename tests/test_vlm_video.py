@@ -190,6 +190,83 @@ def test_mrope_positions_equal_the_familys_get_rope_index(family, corpus_videos)
         assert steps[1] - steps[0] > 1
 
 
+def _clip(path: Path, rate, frames: int, width: int, height: int, steps=None) -> Path:
+    """An h264 clip made with PyAV: ``frames`` frames at ``rate``, or (``steps``) at those
+    millisecond gaps in turn: a variable frame rate."""
+    import fractions
+
+    import av
+    import numpy as np
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if steps:
+            stream.codec_context.time_base = stream.time_base = fractions.Fraction(1, 1000)
+        pts = 0
+        for index in range(frames):
+            pixels = np.zeros((height, width, 3), np.uint8)
+            pixels[..., 0] = index * 255 // frames
+            pixels[(index * 3) % height:(index * 3) % height + 5] = 255
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            if steps:
+                frame.pts, frame.time_base = pts, fractions.Fraction(1, 1000)
+                pts += steps[index % len(steps)]
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+@pytest.mark.parametrize("fps", [0.5, 2.0, 7.5])
+def test_clips_at_unusual_rates_are_qwen2_5_vls_processor(fps, tmp_path):
+    """Clips at 7, 29.97 and 60 frames a second and one of a variable rate, frames of sizes no
+    multiple of 28: ``second_per_grid_ts``, grids, pixels and input ids as
+    ``Qwen2_5_VLProcessor`` (its PyAV loading, sampling at ``fps``) writes them, and the
+    M-RoPE time positions its ``get_rope_index`` gives (published rule for the text after)."""
+    import fractions
+
+    from transformers import AutoConfig, AutoProcessor, Qwen2_5_VLModel
+    from transformers.video_utils import load_video
+    checkpoint = CHECKPOINTS["qwen2.5-vl"]
+    data = config_data(checkpoint)
+    data["modalities"]["video"].update(fps=fps, max_frames=64)
+    config = PreprocessConfig.from_dict(data)
+    video = config.modalities["video"]
+    clips = [_clip(tmp_path / "r7.mp4", 7, 21, 150, 94),
+             _clip(tmp_path / "ntsc.mp4", fractions.Fraction(30000, 1001), 60, 130, 70),
+             _clip(tmp_path / "r60.mp4", 60, 90, 98, 160),
+             _clip(tmp_path / "vfr.mp4", 30, 50, 120, 90, steps=[10, 50, 33, 100, 20])]
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    processor.video_processor = video_processor(video)
+    preprocessor = Preprocessor(config)
+    model = Qwen2_5_VLModel(AutoConfig.from_pretrained(checkpoint))
+    wrapped = "<|vision_start|><|video_pad|><|vision_end|>"
+    for clip in clips:
+        data = clip.read_bytes()
+        item = media_item("video", data, 0)
+        sample = preprocessor({"key": clip.stem, "media": [item], "messages": _turns(
+            "<video>\nWhat moves?", "A bar.")}, {item["member"]: data})
+        batch = Collator(preprocessor)([sample])[0]
+        frames, metadata = load_video(str(clip), backend="pyav")
+        text = processor.apply_chat_template(_turns(f"{wrapped}\nWhat moves?", "A bar."),
+                                             tokenize=False).removesuffix("\n")
+        theirs = processor(text=[text], videos=[frames], video_metadata=[metadata],
+                           do_sample_frames=True, fps=fps, return_tensors="pt")
+        ours = batch["modality_inputs"]["video"]["video"]
+        real = batch["attention_mask"][0].bool()
+        assert torch.equal(batch["input_ids"][:, real], theirs["input_ids"]), clip.name
+        assert torch.equal(ours["video_grid_thw"], theirs["video_grid_thw"]), clip.name
+        assert torch.equal(normalize_video_pixels(ours["pixel_values_videos"], video),
+                           theirs["pixel_values_videos"]), clip.name
+        seconds = torch.tensor(theirs["second_per_grid_ts"])
+        positions, _ = model.get_rope_index(
+            theirs["input_ids"], mm_token_type_ids=theirs["mm_token_type_ids"],
+            video_grid_thw=theirs["video_grid_thw"], attention_mask=theirs["attention_mask"],
+            second_per_grid_ts=seconds)
+        expected = published_positions(positions, theirs["mm_token_type_ids"],
+                                       theirs["attention_mask"])
+        assert torch.equal(batch["position_ids"][:, :, real], expected), (clip.name, seconds)
+
+
 def test_the_tower_encodes_videos_as_transformers(family, reference):
     """The checkpoint's one tower, built by mimo, on the batch's videos and images."""
     from mimo_train.families.registry import ENCODERS, read_vlm
