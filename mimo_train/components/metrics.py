@@ -15,8 +15,8 @@ took (large: the loader does not keep up; the step line's ``data wait``; megatro
 ranks: part of the step's ``seconds``, on the host's clock without a device sync, so a wait
 while the device still runs queued work costs it nothing, one with the device's queue empty
 is the device idle; ``memory_mib``: ``PeakMemory``, max over the ranks; ``memory_mibs``: the
-same per module, max over its ranks, as ``forward_s``); an evaluation
-record: ``step, eval_loss, eval_tokens, eval_samples``. Every rank builds the same records (the values are
+same per module, max over its ranks, as ``forward_s``); an evaluation record: ``step,
+eval_loss, eval_tokens, eval_samples``. Every rank builds the same records (the values are
 reduced over the world); only rank 0 prints and writes TensorBoard (and W&B): every step's
 scalars, the line of each logging step, which with ``train.log_interval`` > 1 adds the loss
 per trained token over the interval's steps (its own loss is one step's).
