@@ -350,11 +350,11 @@ def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
     layer = "language_model.module.decoder.layers.self_attention.linear_qkv."
     saved = {layer + "weight", layer + "lora.a.weight", layer + "lora.b.weight"}
     meta = {"config": {"model": {"lora": {"language": {"rank": 4}}}}}
-    _check_adapters(str(tmp_path), set(saved), saved, meta)          # the same adapters
+    _check_adapters(str(tmp_path), set(saved), saved, meta, {})          # the same adapters
     with pytest.raises(CheckpointError, match="holds LoRA adapters .* on layers this run does "
                        "not adapt, e.g. .*linear_qkv.lora.a.weight: give this run the same "
                        "model.lora"):
-        _check_adapters(str(tmp_path), {layer + "weight"}, saved, meta)
+        _check_adapters(str(tmp_path), {layer + "weight"}, saved, meta, {})
     # an adapter of one layer only (1 of 2), saved as that layer's tensor beside the stacked
     # weights: refused by the rank that holds layer 1, not by a pipeline stage of layer 0
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -370,9 +370,9 @@ def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
         return {layer + "weight"} | _numbered_layers(tensors)
     for layers in ((0, 1), (1,)):
         with pytest.raises(CheckpointError, match="e.g. .*layers.1.self_attention.linear_qkv"):
-            _check_adapters(str(tmp_path), held(*layers), saved, meta)
-    _check_adapters(str(tmp_path), held(0), saved, meta)
-    _check_adapters(str(tmp_path), held(0, 1) | {one + "lora.a.weight"}, saved, meta)
+            _check_adapters(str(tmp_path), held(*layers), saved, meta, {})
+    _check_adapters(str(tmp_path), held(0), saved, meta, {})
+    _check_adapters(str(tmp_path), held(0, 1) | {one + "lora.a.weight"}, saved, meta, {})
     # the refusal names what this run's model.lora changed, and for a frozen part the lr-0 way
     tower = "modality_submodules.image.module.encoders.image.encoder.model.blocks.0.attn.proj."
     saved = {tower + "weight", tower + "lora.a.weight"}

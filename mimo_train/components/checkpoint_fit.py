@@ -387,7 +387,7 @@ def _lora_changes(meta: dict, settings: dict | None) -> str:
 
 
 def _check_adapters(directory: str, wanted: set, saved, meta: dict,
-                    settings: dict | None = None) -> None:
+                    settings: dict | None) -> None:
     """A checkpoint with LoRA adapters on layers of this rank's modules that this run does not
     adapt is refused: its weights without them are not the model it saved. ``wanted``: this
     rank's keys, its stacked layers' also each under its own number (``_numbered_layers``)."""
