@@ -1170,7 +1170,7 @@ def test_plan_matches_what_each_ranks_loader_delivers(capsys, request, configs, 
                  for s in sorted(tokens)], (entry["rank"], modality)
 
 
-def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
+def test_plan_rejects_an_invalid_layout(capsys, clean, configs, tmp_path):
     code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
                          "language=dp3;image=dp1;audio=dp1", "--global-batch-size", "8",
                          "--micro-batch-size", "2")
@@ -1199,6 +1199,13 @@ def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
                          "--json")       # a layout file not there: said of --layout, JSON too
     assert code == 2 and json.loads(out)["problem"] == "cannot read it (No such file or " \
         "directory)" and "error: --layout gone.yaml: cannot read it" in err, (out, err)
+    binary = tmp_path / "photo.yaml"                    # a binary file named as the layout
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
+    code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
+                         str(binary), "--global-batch-size", "8", "--micro-batch-size", "2",
+                         "--json")
+    assert code == 2 and json.loads(out)["problem"] == f"{binary} is not UTF-8 text: give a " \
+        "layout YAML", (out, err)
     # --split-media is the advisor's: a plan of one layout draws whole micro-batches, so it is
     # refused there rather than ignored
     code, _, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",

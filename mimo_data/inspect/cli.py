@@ -500,10 +500,8 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
         from mimo_data.loading.layout import Layout, LayoutError
         try:
             Layout.parse(args.layout)
-        except LayoutError as error:
+        except LayoutError as error:    # a layout file that cannot be read too
             return _refused_layout(args, str(error))
-        except OSError as error:        # a layout file that cannot be read
-            return _refused_layout(args, f"cannot read it ({error.strerror or error})")
     if args.gpus is None and args.model is not None and args.layout is not None and not clip:
         # one layout checked against the trainer's rules for that model, then drawn as below
         if layout_refusal is None:
@@ -640,7 +638,7 @@ def _layout_named(text: str) -> str:
     from mimo_data.loading.layout import Layout, LayoutError
     try:
         return str(Layout.parse(text))
-    except (LayoutError, OSError):
+    except LayoutError:
         return text
 
 
@@ -683,7 +681,7 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
                       if args.command == "sample" else ""), file=sys.stderr)
             return 2
         args.subcommand.error(f"unrecognized arguments: {' '.join(extra)}")
-    try:        # a Ctrl-C while the modules below import: one line, as during the work
+    try:        # Ctrl-C, while the modules below import or during the work: one line
         return _command(args, started, advisor, layout_refusal, run_settings, preprocess_of,
                         checkpoint)
     except KeyboardInterrupt:
@@ -735,9 +733,6 @@ def _command(args, started, advisor, layout_refusal, run_settings, preprocess_of
         error, status = str(exc), 1
     except BrokenPipeError:         # the output's reader gone (| head): quiet_when_stdout_closes
         raise
-    except KeyboardInterrupt:       # Ctrl-C: one line, not the traceback of where it was
-        print(f"mimo-inspect {args.command}: interrupted", file=sys.stderr)
-        return 130
     except (ConfigError, OSError, ValueError, SegmentCacheError) as exc:
         error, status = str(exc), 2
     print(f"mimo-inspect {args.command}: error: {error}", file=sys.stderr)

@@ -369,11 +369,15 @@ class Layout:
 
     @classmethod
     def from_yaml(cls, path: str) -> Layout:
-        with open(path) as handle:
-            try:
+        try:
+            with open(path) as handle:
                 data = load_yaml(handle) or {}
-            except yaml.YAMLError as error:
-                raise LayoutError(f"{path} is not valid YAML: {error}") from None
+        except yaml.YAMLError as error:
+            raise LayoutError(f"{path} is not valid YAML: {error}") from None
+        except OSError as error:        # a folder, no permission, gone since it was named
+            raise LayoutError(f"cannot read it ({error.strerror or error})") from None
+        except UnicodeDecodeError:      # a binary file named as the layout
+            raise LayoutError(f"{path} is not UTF-8 text: give a layout YAML") from None
         if "layout" in data and isinstance(data["layout"], (dict, str)):
             data = data["layout"]          # a layout nested in a larger config file
         return cls.parse(data)

@@ -543,7 +543,7 @@ class TrainConfig:
                                    "no shard directory to evaluate on: it would be ignored")
         try:
             Layout.parse(self.layout)
-        except (LayoutError, OSError) as error:
+        except LayoutError as error:
             raise TrainConfigError(f"layout {self.layout!r}: {error}") from None
 
     def warmup_steps(self, module: str | None = None) -> tuple[int, str | None]:
