@@ -815,7 +815,7 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     fmt = input_format
     suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl
     if fmt != "parquet" and suffix in (".tsv", ".csv", ".txt") and not (
-            _json_lines(path) or first.startswith(b"[")):     # (JSON by its contents: read as one)
+            first.startswith(b"[") or _json_lines(path)):    # (an array first: it may be one line)
         raise SourceError(f"{path}: mimo-shard build reads no {suffix} file: write utterances "
                           "(Common Voice's TSV, LibriSpeech's trans.txt) as a NeMo speech "
                           "manifest, a JSONL of {\"audio_filepath\", \"text\"} a line "
