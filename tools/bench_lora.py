@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,8 +42,6 @@ CORPUS = [os.path.join(REPO, "assets", "corpus", name) for name in (
 
 def measure(overrides: list[str]) -> dict:
     """Train in this process (one rank) and measure it."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
     import torch
 
     from mimo_train.config import TrainConfig
@@ -97,14 +94,10 @@ def main() -> None:
                              f"model.lora={{language: {{rank: {args.rank}, "
                              f"alpha: {2 * args.rank}}}}}"]}
         found = {}
-        with socket.socket() as free:           # a port of its own: two runs on one host
-            free.bind(("127.0.0.1", 0))
-            port = free.getsockname()[1]
         for name, overrides in variants.items():
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", name,
                                   *common, *overrides], capture_output=True, text=True,
-                                 env={"OMP_NUM_THREADS": "2", "MASTER_PORT": str(port),
-                                      **os.environ})
+                                 env={"OMP_NUM_THREADS": "2", **os.environ})
             line = next((x for x in run.stdout.splitlines() if x.startswith("BENCH ")), None)
             if line is None:
                 sys.exit(f"{name} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
