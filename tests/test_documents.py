@@ -301,6 +301,7 @@ def built(tmp_path_factory, corpus):
     # MMC4's records as published: each image before the sentence it is matched to
     write_jsonl(root / "mmc4.jsonl", [
         {"url": "https://example.com/a", "text_list": ["A cat.", "It sleeps.", "The end."],
+         "texts": [],                   # a merged export's empty column: not a document
          "image_info": [{"image_name": "chelsea.jpg", "raw_url": "https://example.com/c.jpg",
                          "matched_text_index": 1, "matched_sim": 0.31},
                         {"image_name": "astronaut.jpg", "raw_url": "https://example.com/a.jpg",

@@ -415,10 +415,12 @@ class ConversationFile:
         turns = conversation_turns(record)
         if turns is None and _are_exchanges(record.get("texts")):
             turns = record["texts"]         # the_cauldron's rows written as JSON(L)
-        elif record.get("texts") is not None and (record["texts"] != [] or turns is None and
-                                                  "caption" not in record):
-            # (a merged export's null, or [] beside a conversation: absent; [] alone: an empty
-            # document, normalize_document's empty_document as a table's row is)
+        elif record.get("texts") is not None and (
+                record["texts"] != [] or turns is None and "caption" not in record
+                and "text_list" not in record):
+            # (a merged export's null, or [] beside a conversation, caption or MMC4 document:
+            # absent; [] alone: an empty document, normalize_document's empty_document as a
+            # table's row is)
             also = [k for k in ("conversations", "messages", "caption") if record.get(k)]
             if also:            # one of them would be left out without a word
                 raise RecordError("malformed_record", f"both a document's 'texts' and "
