@@ -224,6 +224,11 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
                  str(tmp_path / "afile")]) == 2
     assert f"--output {tmp_path / 'afile'} is a file: give the path of a directory to create" \
         in capsys.readouterr().err
+    (tmp_path / "dangling").symlink_to(tmp_path / "moved")     # a link whose target is gone
+    assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
+                 str(tmp_path / "dangling")]) == 2
+    assert f"--output {tmp_path / 'dangling'} is a link to {tmp_path / 'moved'}, which is not " \
+        "there" in capsys.readouterr().err and not (tmp_path / "moved").exists()
     assert main(["--checkpoint", str(tmp_path / "nothing"), "--output",
                  str(tmp_path / "out")]) == 2
     assert "step_*" in capsys.readouterr().err

@@ -241,6 +241,10 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
         raise ExportError(f"--dtype {dtype}: give one of {', '.join(DTYPES)} (or "
                           f"{', '.join(SHORT)})")
     output = os.path.abspath(output)
+    if os.path.islink(output) and not os.path.exists(output):
+        raise ExportError(f"--output {output} is a link to {os.readlink(output)}, which is "
+                          "not there: remove the link, or give the path of a directory to "
+                          "create (the export's)")
     if os.path.lexists(output) and not os.path.isdir(output):    # a file of the user's
         raise ExportError(f"--output {output} is a file: give the path of a directory to "
                           "create (the export's)")
