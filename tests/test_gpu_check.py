@@ -633,3 +633,30 @@ def test_the_wgrad_probe_compares_the_fused_gradient_with_the_exact_sum():
     assert found["ok"] is True and found["supported"] is True
     assert found["fused_rel_diff"] < 1e-6 < found["unfused_rel_diff"]
     assert found["fused_ms"] > 0 and found["unfused_ms"] > 0
+
+
+def test_the_32k_case_takes_its_loss_in_several_chunks(summary, check_out, tmp_path,
+                                                       monkeypatch):
+    """``packed_32k`` is the case of ``model.language.loss_chunk_tokens``; the loss makes the
+    trained tokens' logits alone (about one token in eleven of a packed row: ~30 a sample), so
+    its chunk is exercised only where a micro-batch of its ``micro`` samples trains more
+    tokens than a chunk holds: fewer, the loss is one chunk, the unchunked path
+    (``language_loss``: ``single``), and the case measures nothing of the chunks."""
+    module = _module()
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    # the shards the module's check built (its tiny samples are the corpus's conversations)
+    (tmp_path / "work").mkdir()
+    check = module.Check(tmp_path, True, math.inf, lambda *a: 0, check_out / "work" / "shards",
+                         tmp_path / "work")
+    check.checkpoints["2B"] = module.REPLICA
+    from mimo_data.loading.loader import build_loader
+    from mimo_data.preprocess.config import PreprocessConfig
+    case = next(w for w in module.WORKLOADS if w.name == "packed_32k")
+    preprocess = PreprocessConfig.from_yaml(str(module.preprocessing(check, case.seq_length)))
+    loader = build_loader([str(check.shards)], preprocess, module.LAYOUTS[check.video], 0, 1,
+                          8, 8, 3, decode_media=False)
+    assert loader is not None
+    trained = [n for _, metadata in loader for n in metadata["trained_tokens"]]
+    # the trained tokens are the answers' (no pixel budget changes them): the GPU's micro-batch
+    per_micro = statistics.mean(trained) * case.micro
+    assert 0 < case.loss_chunk and per_micro >= 2 * case.loss_chunk, (per_micro, case)

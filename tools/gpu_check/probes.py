@@ -210,6 +210,7 @@ def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 3
         first = time.perf_counter() - started
         step(tower, run)
         tower.zero_grad()
+        torch.cuda.synchronize()            # the warm-up's backward is not the timed steps'
         started = time.perf_counter()
         for _ in range(3):
             rows = run(tower).pooler_output
