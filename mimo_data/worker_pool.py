@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 from mimo_data import forkserver_hook
@@ -57,6 +57,9 @@ def _start(environ: dict[str, str], initializer: Callable | None, initargs: tupl
     os.environ.clear()
     os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # (blocked in the forkserver, ``_start_forkserver``: ignored here, not held, nor in
+    # what a worker starts)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     faulthandler.enable()
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     if initializer is not None:
@@ -64,22 +67,24 @@ def _start(environ: dict[str, str], initializer: Callable | None, initargs: tupl
 
 
 def _start_forkserver() -> None:
-    """Start the forkserver (once a process) with SIGINT ignored, which it keeps: a signal
-    ignored stays ignored through exec, and Python then sets no handler of its own. Ctrl-C at
-    a terminal reaches the whole process group, and a forkserver still importing its preload
-    printed a KeyboardInterrupt traceback under the caller's one line (once its imports are
-    done it ignores SIGINT itself). Its environment names this process
-    (``forkserver_hook``)."""
+    """Start the forkserver (once a process) with SIGINT blocked, which it keeps: a signal
+    mask is inherited through exec, and the forkserver's own start sets SIGINT ignored once
+    its preload is imported, which discards one held meanwhile. Ctrl-C at a terminal reaches
+    the whole process group, and a forkserver still importing its preload printed a
+    KeyboardInterrupt traceback under the caller's one line. Blocked in this thread only,
+    not ignored: a Ctrl-C meanwhile goes to another thread, or waits for the unblocking, and
+    interrupts the caller (ignored, it was lost: the build went on to its end). Its
+    environment names this process (``forkserver_hook``)."""
     earlier_caller = os.environ.get(forkserver_hook.CALLER_VARIABLE)
     os.environ[forkserver_hook.CALLER_VARIABLE] = str(os.getpid())
-    main = threading.current_thread() is threading.main_thread()
-    # (signal handlers are the main thread's to set)
-    earlier = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    # the resource tracker first: its start (the forkserver's first step) unblocks SIGINT
+    resource_tracker.ensure_running()
+    blocked = signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     try:
         forkserver.ensure_running()
     finally:
-        if main:
-            signal.signal(signal.SIGINT, earlier)
+        if blocked:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         if earlier_caller is None:
             del os.environ[forkserver_hook.CALLER_VARIABLE]
         else:

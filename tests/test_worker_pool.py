@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
@@ -293,3 +295,30 @@ def test_a_second_ctrl_c_does_not_break_off_the_stop(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(repo)})
     assert (done.stdout, done.stderr) == ("5\nstopped\n", ""), done
     # (the Ctrl-C was sent: without the stop's ignoring it, the traceback is its)
+
+
+def test_ctrl_c_while_the_forkserver_starts_is_not_lost(monkeypatch):
+    # _start_forkserver set SIGINT to SIG_IGN in the caller while the forkserver started, so
+    # a Ctrl-C in that window was discarded: the build ran on to the end (exit 0). It is to
+    # interrupt the caller, and the forkserver is still not to take it (it is blocked there).
+    from multiprocessing import forkserver
+
+    from mimo_data import worker_pool
+    started = forkserver.ensure_running
+    servers = []
+
+    def ctrl_c_meanwhile():
+        os.kill(os.getpid(), signal.SIGINT)
+        started()
+        servers.append(forkserver._forkserver._forkserver_pid)
+    monkeypatch.setattr(forkserver, "ensure_running", ctrl_c_meanwhile)
+    with pytest.raises(KeyboardInterrupt):
+        worker_pool._start_forkserver()
+        time.sleep(1)               # (delivered through another thread: at the main's next turn)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if servers and servers[0] is not None:      # one this test started: blocked or ignored
+        status = Path(f"/proc/{servers[0]}/status").read_text()
+        held = {line.split(":")[0]: int(line.split()[1], 16) for line in status.splitlines()
+                if line.startswith(("SigBlk", "SigIgn"))}
+        assert (held["SigBlk"] | held["SigIgn"]) & (1 << (signal.SIGINT - 1)), held
