@@ -139,6 +139,13 @@ def test_usage_errors_exit_2(capsys, tmp_path, cli):
                 f"{3 if given[-1] == 'c' else 2} were given" in err, err
         code, err = _main(module, capsys, "sample", "a", "42", "--config", config)
         assert code == 2 and "a sample is chosen with --key KEY or --index N" in err, err
+        # two preprocessing configs: refused (exit 2), not the last one silently, and a second
+        # YAML after --config is no second dataset
+        other = REPO / "configs" / "preprocess_llava.yaml"
+        for given in (("sample", "a", "--config", config, "--config", other),
+                      ("report", "a", "--config", config, other)):
+            code, err = _main(module, capsys, *given)
+            assert code == 2 and "one preprocessing config" in err and "dataset, 2" not in err, err
         code, err = _main(module, capsys, "report", "a", "--config", config, "--jsn", "x")
         assert code == 2 and "unrecognized arguments: --jsn x" in err, err
         # the subcommand's usage; a launch gate's thresholds by their exact names only

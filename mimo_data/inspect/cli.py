@@ -70,6 +70,17 @@ def _size(text: str) -> tuple[int, int]:
     return width, height
 
 
+class _OneConfig(argparse.Action):
+    """``--config`` given once: a second is refused (argparse would keep the last silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, self.dest, None)
+        if given is not None:
+            parser.error(f"--config given twice ({given}, {values}): each command reads one "
+                         "dataset with one preprocessing config; run it once for each")
+        setattr(namespace, self.dest, values)
+
+
 def _common(parser: argparse.ArgumentParser, directory_help: str | None = None,
             config_default: str | None = None) -> None:
     """The options every command takes (``directory_help``: the dataset is optional, so
@@ -79,6 +90,7 @@ def _common(parser: argparse.ArgumentParser, directory_help: str | None = None,
                         help=directory_help or "dataset (directory or URL) built by "
                         "mimo-shard build")
     parser.add_argument("--config", type=user_path, required=config_default is None, metavar="CFG",
+                        action=_OneConfig,
                         help="preprocessing config YAML (the one training uses" +
                         (f"; default: {config_default})" if config_default else ")"))
     parser.add_argument("--no-token-cache", action="store_true",
@@ -672,6 +684,13 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
     args, extra = parser.parse_known_args(argv)
     if extra:
         words = [word for word in extra if not word.startswith("-")]
+        yamls = [word for word in words if word.lower().endswith((".yaml", ".yml"))]
+        if yamls and args.command in ("report", "sample", "plan"):
+            print(f"mimo-inspect {args.command}: error: {' '.join(yamls)}: it reads one "
+                  "preprocessing config, given as --config" + (f" ({args.config})" if args.config
+                                                           else "") + ", and one dataset",
+                  file=sys.stderr)
+            return 2
         if words and len(words) == len(extra) and args.command in ("report", "sample", "plan"):
             print(f"mimo-inspect {args.command}: error: it reads one dataset, "
                   f"{len(words) + 1} were given ({' '.join(words)} too): run it once for each "
