@@ -29,6 +29,14 @@ def _module():
     return module
 
 
+def _peer():
+    spec = importlib.util.spec_from_file_location("gpu_check_peer", PEER)
+    assert spec and spec.loader
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    return peer
+
+
 @pytest.fixture(scope="module")
 def check_out(tmp_path_factory) -> Path:
     """The folder the CPU check writes to (its logs under work/)."""
@@ -260,8 +268,49 @@ def test_the_peer_trains_the_same_batches_as_transformers(summary):
                              (work / f"{run}.jsonl").read_text().splitlines()
                              if '"loss"' in line] for run in (name, f"{name}_peer"))
             assert abs(ours[1] - theirs[1]) <= 2e-5, (name, ours, theirs)
-        assert case["speedup"] == round(case["mimo"]["median_tokens_per_s"] /
-                                        peer["median_tokens_per_s"], 3)
+        # the same steps' trained tokens over their seconds on each side (tiny: every step
+        # timed), not two medians that may fall on different steps
+        rates = []
+        for run in (name, f"{name}_peer"):
+            steps = [json.loads(line) for line in
+                     (work / f"{run}.jsonl").read_text().splitlines() if '"loss"' in line]
+            rates.append(sum(r["tokens"] for r in steps) / sum(r["seconds"] for r in steps))
+        assert case["speedup"] == round(rates[0] / rates[1], 3), (name, case, rates)
+
+
+def test_the_peers_packed_varlen_attention_trains_as_its_sdpa(summary, check_out, tmp_path,
+                                                             monkeypatch):
+    """On a GPU without flash-attn the peer takes a packed row through torch's varlen kernels
+    (``PACKED_VARLEN``, registered with transformers), as mimo does, so the speedup is not a
+    kernel's. The kernel needs CUDA: here a stand-in (SDPA per sample, grouped keys and values
+    repeated), and the peer's two steps of ``packed_8k`` give the losses its SDPA run gave
+    (the summary's), the language layers called causal with the row's samples' boundaries
+    (read from the text positions), the tower's without."""
+    import torch.nn.attention.varlen as varlen
+    import torch.nn.functional as F
+    peer, calls = _peer(), []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32 and type(max_q) is int
+        bounds = cu_q.tolist()
+        assert bounds[-1] == len(q) and max_q == max(b - a for a, b in zip(bounds, bounds[1:]))
+        calls.append((len(bounds) - 1, window_size))
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        return torch.cat([F.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=scale,
+            is_causal=window_size == (-1, 0)).transpose(0, 1)
+            for a, b in zip(bounds, bounds[1:])])
+    monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+    monkeypatch.setattr(peer, "attention_choice",
+                        lambda device, packed: peer.PACKED_VARLEN if packed else "sdpa")
+    records = peer.train(check_out / "work" / "packed_8k.yaml", tmp_path / "peer.jsonl")
+    assert [r["attention"] for r in records] == [peer.PACKED_VARLEN] * 2
+    sdpa = summary["cases"]["packed_8k"]["peer"]["losses"]
+    assert [r["loss"] for r in records] == pytest.approx(sdpa, abs=1e-5), (records, sdpa)
+    language = [samples for samples, window in calls if window == (-1, 0)]
+    # two layers, forward (and the backward's recompute none): a row of two samples each
+    assert language and all(samples == 2 for samples in language), calls
+    assert any(window == (-1, -1) for _, window in calls), calls        # the tower's items
 
 
 @pytest.mark.parametrize("warmup, steps", [(0, 7), (1, 7), (3, 10), (12, 10)])
@@ -276,9 +325,7 @@ def test_the_peer_learns_at_mimos_rate_every_step(warmup, steps):
     from mimo_train.components.optimizer import build_schedulers
     from mimo_train.config import TrainConfig
 
-    spec = importlib.util.spec_from_file_location("gpu_check_peer", PEER)
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
+    peer = _peer()
     lr, min_lr = 3e-3, 3e-4
     cfg = TrainConfig.load(None, ["data.datasets=[shards]", f"optimizer.lr={lr}",
                                   f"optimizer.min_lr={min_lr}",
@@ -340,8 +387,9 @@ def _case_failing_once(summary, tmp_path, kept: bool, says: str, fails: bool = T
         failing = len(runs) == 1 and fails
         steps = module.TINY_STEPS - 1 if failing else module.TINY_STEPS
         Path(argv[argv.index("--records") + 1]).write_text("".join(
-            json.dumps({"step": s, "loss": 2.0, "seconds": 1.0, "tokens_per_s": 10.0,
-                        "memory_mib": 100.0}) + "\n" for s in range(1, steps + 1)))
+            json.dumps({"step": s, "loss": 2.0, "seconds": 1.0, "tokens": 10,
+                        "tokens_per_s": 10.0, "memory_mib": 100.0}) + "\n"
+            for s in range(1, steps + 1)))
         log.write_text(says if len(runs) == 1 else "")
         return 1 if failing else 0
 

@@ -18,9 +18,13 @@ same weights. What it does is what such frameworks do with a transformers model:
   ``cosine_with_min_lr``), which is mimo's schedule: a linear warmup from 0 over
   ``optimizer.warmup_steps`` (at most ``train.steps - 1``, as mimo clamps it), then a cosine to
   ``optimizer.min_lr`` at ``train.steps``, so the two sides' losses compare step by step;
-- the strongest attention transformers has here: ``flash_attention_2`` where flash-attn is
-  installed, else ``sdpa``; a packed micro-batch goes as one row with per-sample text
-  positions (transformers then masks each sample to itself) and mimo's per-sample M-RoPE
+- the strongest attention transformers takes here: ``flash_attention_2`` where flash-attn is
+  installed; else, for a packed row on a GPU, torch's own varlen flash kernels registered
+  with transformers' ``AttentionInterface`` (``PACKED_VARLEN``: the samples' boundaries read
+  from their text positions, as transformers' flash-attn path reads them; the kernels mimo's
+  ``varlen`` attention runs, so the speedup is not a kernel's); else ``sdpa``; a packed
+  micro-batch goes as one row with per-sample text positions (under ``sdpa`` transformers
+  then masks each sample to itself) and mimo's per-sample M-RoPE
   positions, a padded one with its attention mask and mimo's M-RoPE positions (the text after
   a clip as the checkpoint was trained: transformers 5.3+'s own rule starts it earlier,
   ``families.qwen2_vl``); images and clips as transformers'
@@ -61,12 +65,64 @@ from mimo_train.runtime.profile import Profile, mark_phase
 from mimo_train.training.step import kept_length
 
 
-def attention_choice(device: torch.device) -> str:
-    """flash-attn's varlen kernels where installed (what packing frameworks ask for), else
-    torch's SDPA: transformers' fastest attention on this machine."""
+# torch's own varlen flash kernels under transformers' attention interface: what the
+# flash-attn package (which the GPU image lacks) gives a packing framework; "flash" in the
+# name: transformers then hands the towers' boundaries over, and makes no mask for the rows
+PACKED_VARLEN = "peer_flash_varlen"
+
+
+def attention_choice(device: torch.device, packed: bool) -> str:
+    """The strongest attention transformers takes on this machine: flash-attn's varlen
+    kernels where installed (what packing frameworks ask for), else, for a packed row on a
+    GPU, the same kind of kernel from torch (``PACKED_VARLEN``: what mimo's varlen
+    attention runs too), else SDPA (a packed row: under a block-diagonal mask)."""
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if device.type == "cuda" and packed and \
+            importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        return PACKED_VARLEN
     return "sdpa"
+
+
+# the text positions last seen and their samples' boundaries: every layer of a forward gets
+# the same positions, so the boundaries are read from the device once a forward
+_bounds: dict = {}
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: torch.Tensor | None,
+                     position_ids: torch.Tensor | None = None, sliding_window=None, **kwargs):
+    """``PACKED_VARLEN``: transformers' attention-function contract, all of a packed row's
+    samples in one varlen call. A tower's call gives its items' boundaries; the language
+    model's gives its text positions, each sample's from 0, which are read into boundaries
+    as transformers' flash-attn path reads them (``prepare_fa_kwargs_from_position_ids``),
+    causal as the module says."""
+    from mimo_train.model.tower_attention import varlen_attention
+    if kwargs.get("cu_seq_lens_q") is None:
+        if attention_mask is not None or position_ids is None or sliding_window is not None:
+            raise ValueError(f"{PACKED_VARLEN} takes a packed row by its text positions, "
+                             "with no mask nor sliding window")
+        if _bounds.get("positions") is not position_ids:
+            from transformers.modeling_flash_attention_utils import (
+                prepare_fa_kwargs_from_position_ids)
+            (bounds, _), (longest, _) = prepare_fa_kwargs_from_position_ids(position_ids)
+            _bounds.update(positions=position_ids, bounds=bounds, longest=int(longest))
+        kwargs.update(cu_seq_lens_q=_bounds["bounds"], cu_seq_lens_k=_bounds["bounds"],
+                      max_length_q=_bounds["longest"], max_length_k=_bounds["longest"],
+                      is_causal=module.is_causal)
+    return varlen_attention(module, query, key, value, None, **kwargs)
+
+
+def set_packed_attention(model: torch.nn.Module) -> None:
+    """``PACKED_VARLEN`` registered and set on every config of ``model`` (directly:
+    ``set_attn_implementation`` would look for the flash-attn package for a name that says
+    "flash")."""
+    from transformers import AttentionInterface, PreTrainedConfig
+    AttentionInterface.register(PACKED_VARLEN, packed_attention)
+    for part in model.modules():
+        config = getattr(part, "config", None)
+        if isinstance(config, PreTrainedConfig):
+            config._attn_implementation = PACKED_VARLEN
 
 
 def hf_inputs(batch: dict, preprocess: PreprocessConfig, token_ids: dict[str, int], total: int,
@@ -150,9 +206,12 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
                           else "cpu")
     dtype = torch.bfloat16 if run.get("precision") == "bf16" else torch.float32
     torch.manual_seed(run.get("seed", 1))
-    attention = attention_choice(device)
+    attention = attention_choice(device, data.get("packing", False))
     model = AutoModelForImageTextToText.from_pretrained(
-        model_cfg["pretrained"], dtype=dtype, attn_implementation=attention).to(device)
+        model_cfg["pretrained"], dtype=dtype,
+        attn_implementation="sdpa" if attention == PACKED_VARLEN else attention).to(device)
+    if attention == PACKED_VARLEN:
+        set_packed_attention(model)
     if "image" in model_cfg.get("freeze", []):
         model.model.visual.requires_grad_(False)
     lora = (model_cfg.get("lora") or {}).get("language")

@@ -52,7 +52,8 @@ Steps, each bounded in time; a failed one is recorded with its first error line,
 
 How to read ``summary.json``: ``cases.NAME.mimo`` and ``cases.NAME.peer`` hold each side's
 figures (``median_*`` over the steps before the profiled ones), ``cases.NAME.speedup`` is
-mimo's trained tokens/s over the peer's (the issue's goal: >= 1.3 on ``packed_8k``), and
+mimo's trained tokens/s over the peer's, each the same steps' tokens over their seconds
+(``timed_tokens_per_s``; the issue's goal: >= 1.3 on ``packed_8k``), and
 ``mimo.profile`` / ``peer.profile`` say where the time went (``shares``; ``idle`` is GPU time
 with no kernel running: the host is behind), and ``busy_over_timed`` what of an unprofiled
 step the GPU's kernels take (near 1 the GPU bounds the step, well under 1 the host).
@@ -159,6 +160,9 @@ PROBES_S = 150                          # their limit; they start only with all 
 # ~54 s and the CPU's was stopped at the budget 23 s in, an error); it starts only with this
 # much left, and says each side's seconds (``device_s``, ``cpu_s``) for setting it
 PARITY_S = 150
+# the peer starts only with this much left (its model's load and 8 steps: one started with
+# 65 s left on a busy machine was stopped before its first step, an error)
+PEER_S = 150
 AUTO_SHARE = 0.85                       # auto: the tower kept when predicted under this share
 TINY_MICRO = {True: 2, False: 2}        # tiny: samples a micro-batch (packed: one row of two)
 # steps of a case: the profiled ones last, after the profiler's lead-in step (profiled, not
@@ -600,6 +604,12 @@ def _figures(records: list[dict], rc: int, log: Path, steps: int, profiled: int,
                 "memory_mib", "data_wait_s"):
         if (value := _median(timed, key)) is not None:
             result[f"median_{key}"] = value
+    # the same steps' trained tokens over their seconds: both sides' ``speedup`` term (the
+    # two medians may fall on different steps, whose trained tokens differ)
+    if timed and all(isinstance(r.get(key), (int, float)) for r in timed
+                     for key in ("seconds", "tokens")):
+        result["timed_tokens_per_s"] = sum(r["tokens"] for r in timed) / max(
+            sum(r["seconds"] for r in timed), 1e-12)
     # the allocator's peak since the model's build, after each step: the run's peak is the
     # last; the jump after the first step is the optimizer's moments (made at its first update)
     result["memory_mib_by_step"] = [r.get("memory_mib") for r in records]
@@ -694,12 +704,12 @@ def case(check: Check, device: str, work: Workload) -> dict:
                 result["mimo"]["predicted_mib"] / peak - 1, 4)
     except Exception as error:          # the figures above stand without it
         result["mimo"]["predicted_mib"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-    if work.peer and check.left(60) >= 60:
+    if work.peer and check.left(PEER_S) >= PEER_S:
         rc, records, log = train(check, f"{work.name}_peer", device, 240, config, peer=True)
         result["peer"] = _figures(records, rc, log, steps, profiled,
                                   check.work / f"{work.name}_peer_profile")
-        ours, theirs = (result[side].get("median_tokens_per_s") for side in ("mimo", "peer"))
-        if ours and theirs:
+        ours, theirs = (result[side].get("timed_tokens_per_s") for side in ("mimo", "peer"))
+        if ours and theirs and result["mimo"]["steps"] == result["peer"]["steps"]:
             result["speedup"] = round(ours / theirs, 3)
         if records and result["mimo"]["losses"]:
             result["first_loss_diff"] = round(abs(records[0]["loss"] -
@@ -867,8 +877,9 @@ def main(argv: list[str] | None = None) -> int:
                         "./gpu_check)")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny dims on the CPU (what the suite runs)")
-    parser.add_argument("--budget-s", type=float, default=450,
-                        help="stop starting steps after this many seconds (default 450)")
+    parser.add_argument("--budget-s", type=float,
+                        help="stop starting steps after this many seconds (default 450; "
+                        "--tiny: none, a CPU's pace is not a GPU lease's)")
     parser.add_argument("--shards", type=Path, help="use these shards instead of building")
     parser.add_argument("--work", type=Path, help="where the shards, the checkpoint and the "
                         "runs' files go (default OUT/work; elsewhere, the logs are copied "
@@ -884,7 +895,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--cases: no workload {', '.join(unknown)} (the workloads: "
                      f"{', '.join(w.name for w in WORKLOADS)}; or none)")
-    summary = run(args.out, args.tiny, args.budget_s, shards=args.shards, work=args.work,
+    budget = args.budget_s if args.budget_s is not None else math.inf if args.tiny else 450
+    summary = run(args.out, args.tiny, budget, shards=args.shards, work=args.work,
                   names=names, probes=not args.skip_probes)
     return 1 if failures(summary) else 0
 
