@@ -49,7 +49,7 @@ def step_dir(root: str, step: int) -> str:
 
 def latest(root: str | None) -> str | None:
     """The checkpoint directory ``root/latest`` names, or None; CheckpointError where
-    ``latest`` is empty, a folder or cannot be read."""
+    ``latest`` is empty, a folder, cannot be read or names a folder outside ``root``."""
     if not root:
         return None
     path = os.path.join(root, LATEST)
@@ -65,6 +65,12 @@ def latest(root: str | None) -> str | None:
     if not name:
         raise CheckpointError(f"{path} holds {name!r}, no step's folder name: write the step to "
                               f"resume into it (echo step_NNNNNNN > {path})")
+    found = os.path.normpath(os.path.join(root, name))
+    if os.path.realpath(os.path.dirname(found)) != os.path.realpath(root):
+        raise CheckpointError(f"{path} names {name}, not a folder of checkpoint.dir {root}: a "
+                              "resume continues its own folder's steps (echo step_NNNNNNN > "
+                              f"{path}); to start from another run's checkpoint, give "
+                              f"model.init_from={found} and a checkpoint.dir of its own")
     return os.path.join(root, name)
 
 
@@ -162,16 +168,20 @@ def earlier_steps(directory: str) -> list[str]:
             and meta_of(os.path.join(root, step)) is not None]
 
 
-def damaged(directory: str, what: str) -> CheckpointError:
+def damaged(directory: str, what: str, init_from: bool = False) -> CheckpointError:
     """The refusal of a damaged checkpoint: what is wrong and the newest earlier one to
-    resume instead (``earlier_steps``)."""
+    resume instead (``earlier_steps``); ``init_from``: it was given as model.init_from (its
+    folder may be another run's, whose latest is not this run's to set: the earlier one as
+    model.init_from)."""
     root = os.path.dirname(os.path.abspath(directory))
     earlier = earlier_steps(directory)
     if earlier:
         which = "earlier checkpoint" if re.fullmatch(
             STEP_NAME, os.path.basename(os.path.abspath(directory))) else \
             "checkpoint beside it"      # a folder not named step_* has no place among them
-        instead = (f"the newest {which} is {earlier[0]}: resume from it with "
+        instead = (f"the newest {which} is {earlier[0]}: give model.init_from={earlier[0]}"
+                   if init_from else
+                   f"the newest {which} is {earlier[0]}: resume from it with "
                    f"'echo {os.path.basename(earlier[0])} > {os.path.join(root, LATEST)}' "
                    f"(or model.init_from={earlier[0]} for its weights)")
     else:

@@ -518,7 +518,7 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
     assert "mimo-train: train.exit_duration_minutes 1e-08 passed: stopping after step 7\n" in \
         job.stdout, job.stdout
     assert (root / "latest").read_text() == "step_0000007"
-    for line in ("resumed from step 6 of a 6-step schedule: LR decay now spans train.steps 12 "
+    for line in ("resumed from step 6 of a schedule of 6 steps: LR decay now spans train.steps 12 "
                  "(was 6)", "resumed from step 6: language lr now 0.001 (was 0.003)",
                  "resumed from step 6: language min_lr now 0.0001 (was 0.0003)"):
         assert f"mimo-train: {line}\n" in job.stdout, job.stdout
@@ -1629,6 +1629,11 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
     assert message.startswith(f"checkpoint {step} is damaged: "), message
     assert expected in message, message
     assert f"the newest earlier checkpoint is {root / 'step_0000003'}" in message
+    if damage == "bad index":       # given as model.init_from (``_load``'s purpose): its folder
+        from mimo_train.checkpoint_folders import damaged    # may be another run's: no echo
+        init = str(damaged(str(step), expected, init_from=True))
+        assert f"the newest earlier checkpoint is {root / 'step_0000003'}: give " \
+            f"model.init_from={root / 'step_0000003'}" in init and "echo" not in init, init
 
 
 def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
@@ -1772,6 +1777,30 @@ def test_the_checkpoint_named_instead_of_a_damaged_one_is_earlier_and_reads(tmp_
                        "resumed; start over") as refused:
         resume_point(str(tmp_path))
     assert refused.value.exit_code == 1
+
+
+def test_latest_naming_a_folder_outside_the_checkpoint_dir_is_refused(tmp_path):
+    """``latest`` holds a step folder of its own checkpoint.dir (by name, or by a path into it):
+    one naming another run's step (``/other/run/step_N``, ``../other/step_N``) would resume
+    that run's checkpoint while mimo-inspect lists it as this folder's; refused, naming
+    model.init_from for a branch."""
+    from mimo_train.checkpoint_folders import latest, resume_point
+    from mimo_train.errors import CheckpointError
+
+    run, other = tmp_path / "run", tmp_path / "other"
+    for root in (run, other):
+        (root / "step_0000004").mkdir(parents=True)
+        (root / "step_0000004" / "integrity.json").write_text("{}")
+    (tmp_path / "link").symlink_to(run)                # the folder by a link to it
+    for name in ("step_0000004", " step_0000004\n", str(run / "step_0000004"),
+                 "./step_0000004", str(tmp_path / "link" / "step_0000004")):
+        (run / "latest").write_text(name)
+        assert os.path.realpath(resume_point(str(run))) == str(run / "step_0000004")
+    for name in (str(other / "step_0000004"), "../other/step_0000004"):
+        (run / "latest").write_text(name)
+        with pytest.raises(CheckpointError, match="not a folder of checkpoint.dir") as refused:
+            latest(str(run))
+        assert f"model.init_from={other / 'step_0000004'}" in str(refused.value)
 
 
 def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):

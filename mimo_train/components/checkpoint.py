@@ -609,7 +609,7 @@ def _load(sharded: dict, directory: str, purpose: str) -> dict:
     try:
         digests.verify(directory)
     except IntegrityError as error:
-        raise damaged(directory, str(error)) from None
+        raise damaged(directory, str(error), init_from=purpose == "model.init_from") from None
     loaded, _missing, unexpected = dist_checkpointing.load(
         sharded, directory, strict=StrictHandling.RETURN_ALL)
     if unexpected:
