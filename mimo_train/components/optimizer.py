@@ -130,7 +130,7 @@ def schedule_notes(step: int, changes: list[dict]) -> list[str]:
     notes = []
     for (setting, was, now), named in modules.items():
         if setting == "train.steps":
-            notes.append(f"resumed from step {step} of a {was}-step schedule: LR decay now "
+            notes.append(f"resumed from step {step} of a schedule of {was} steps: LR decay now "
                          f"spans train.steps {now} (was {was})")
         else:
             notes.append(f"resumed from step {step}: {', '.join(named)} {setting} now {now:g} "
