@@ -5,8 +5,33 @@ mimo-generate) reads its arguments with alike: kept free of heavy imports, as th
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
+import sys
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but an option it does not know is named before a required one
+    found missing: argparse checks the required options first, so ``--ouput DIR`` was said
+    as ``--output`` missing, never as the typo it is. Its subcommands' parsers are of this
+    class too."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        if message.startswith("the following arguments are required"):
+            known = [option for action in self._actions for option in action.option_strings]
+            given = [word.split("=")[0] for word in getattr(self, "words", [])]
+            typos = [word for word in given if word.startswith("--") and word != "--" and
+                     not any(option.startswith(word) for option in known)]
+            if typos:
+                close = difflib.get_close_matches(typos[0], known, n=1)
+                message = f"unrecognized arguments: {' '.join(typos)}" + (
+                    f" (did you mean {close[0]}?)" if close else "") + f"; {message}"
+        super().error(message)
 
 
 def user_path(value: str) -> str:

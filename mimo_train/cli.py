@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 
-from mimo_data.arguments import user_path
+from mimo_data.arguments import Parser, user_path
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.runtime import console, launcher
@@ -34,7 +34,7 @@ from mimo_train.errors import RunError, StartupError, TrainConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="mimo-train", description="Train a MIMO model (megatron-core MimoModel) on shards "
         "from mimo-shard build; run one process per rank under torchrun.",
         epilog="Exit codes: 0 done, 1 a check or the data failed (or more non-finite steps "

@@ -126,6 +126,11 @@ def test_usage_errors_exit_2(capsys, tmp_path, cli):
     sub = "build" if cli == "mimo-shard" else "report"
     code, err = _main(module, capsys, sub)                      # required arguments missing
     assert code == 2 and "required" in err
+    # a required option mistyped: the typo named first (argparse checks required options
+    # first: "--output" missing, the typo never said), with the option meant
+    typo, meant = ("--ouput", "--output") if cli == "mimo-shard" else ("--confg", "--config")
+    code, err = _main(module, capsys, sub, "a", typo, "x")
+    assert code == 2 and f"unrecognized arguments: {typo} (did you mean {meant}?)" in err, err
     code, err = _main(module, capsys, "info" if cli == "mimo-shard" else "report",
                       tmp_path / "missing", *(() if cli == "mimo-shard" else
                                               ("--config", REPO / "configs" / "preprocess.yaml")))

@@ -36,7 +36,7 @@ import time
 # Only the light checks table here: the tokenizer, torch and pyarrow are imported once the
 # arguments are parsed, so that --help answers at once.
 from mimo_data.inspect.checks import CHECKS, Thresholds
-from mimo_data.arguments import RUN_SEED, SEED, at_least, fraction, positive, user_path
+from mimo_data.arguments import RUN_SEED, SEED, at_least, fraction, Parser, positive, user_path
 from mimo_data.errors import listed
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
@@ -103,7 +103,7 @@ def _common(parser: argparse.ArgumentParser, directory_help: str | None = None,
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mimo-inspect", description=__doc__,
+    parser = Parser(prog="mimo-inspect", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True,
                                      help="what to do (each has its own --help)")

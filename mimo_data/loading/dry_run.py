@@ -9,7 +9,6 @@ the bridge depends on. Used by tests and by ``mimo-inspect plan``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from array import array
@@ -17,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from mimo_data.arguments import RUN_SEED, SEED, user_path
+from mimo_data.arguments import RUN_SEED, SEED, Parser, user_path
 from mimo_data.shards.index import DatasetError
 from mimo_data.loading.balance import BALANCE
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
@@ -269,7 +268,7 @@ def format_dry_run(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mimo_data.loading.dry_run",
+    parser = Parser(prog="python -m mimo_data.loading.dry_run",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("datasets", nargs="+", type=user_path,
                         help="dataset directories (mimo-shard build)")

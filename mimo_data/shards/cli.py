@@ -21,7 +21,7 @@ import os
 import re
 import sys
 
-from mimo_data.arguments import at_least, user_path
+from mimo_data.arguments import at_least, Parser, user_path
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
@@ -54,7 +54,7 @@ def _shard_name(text: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mimo-shard", description=__doc__,
+    parser = Parser(prog="mimo-shard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True,
                                      help="what to do (each has its own --help)")

@@ -66,7 +66,7 @@ import tempfile
 from collections.abc import Iterator
 
 from mimo_data.errors import listed
-from mimo_data.arguments import user_path
+from mimo_data.arguments import Parser, user_path
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
@@ -88,7 +88,7 @@ SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="mimo-export", description="Write a mimo_train checkpoint as transformers models: "
         "the language model with its tokenizer, each encoder, the projections, the "
         "preprocessing config and a manifest (mimo-generate runs the result).",

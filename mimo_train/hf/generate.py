@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mimo_data.arguments import SEED, user_path
+from mimo_data.arguments import SEED, Parser, user_path
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.hf.export import MANIFEST
@@ -76,7 +76,7 @@ class Generation:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="mimo-generate", description="Answer a prompt, with images, videos and audio, "
         "using a model written by mimo-export (training's preprocessing, the encoders and "
         "projections, then the language model's generate).",
