@@ -218,9 +218,13 @@ def test_a_build_into_a_missing_bucket_stops_before_reading_its_inputs(capsys, s
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", web)
     code, _, err = cli_main(capsys, "build", corpus / INPUTS[0], "--output", url,
                             "--no-progress")
-    server.shutdown()
     assert code == 2 and f"cannot write to --output {url}: the endpoint {web} answers 404 Not " \
         "Found without S3's NoSuchBucket: is it an S3 store?" in err, err
+    # reading there (info, verify, training's start-up): the same, not "no such bucket"
+    code, _, err = cli_main(capsys, "info", url)
+    server.shutdown()
+    assert code == 2 and f"{url}: the endpoint {web} answers 404 Not Found without S3's " \
+        "NoSuchBucket" in err, err
 
 
 def test_a_build_that_dies_midway_leaves_no_dataset_or_the_old_one_and_the_next_one_cleans_up(
@@ -651,8 +655,11 @@ def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store, mon
     """Training's start-up tells a bucket that does not exist from a dataset not built yet;
     a credentials profile that does not exist, or no credentials at all, is no fault a retry
     mends."""
-    assert storage.bucket_exists(f"s3://{BUCKET}/ds", s3.storage_options)
-    assert not storage.bucket_exists("s3://no-such-bucket-here/ds", s3.storage_options)
+    assert storage.bucket_absence(f"s3://{BUCKET}/ds", s3.storage_options) is None
+    assert storage.bucket_missing("s3://no-such-bucket-here/ds", s3.storage_options,
+                                  storage.bucket_absence("s3://no-such-bucket-here/ds",
+                                                         s3.storage_options)).startswith(
+        "its bucket does not exist at the endpoint")
     retried = sum(storage.RETRIES.values())
     with pytest.raises(StorageError, match=r"The config profile \(tema\) could not be found: "
                        "check AWS_PROFILE"):
@@ -793,6 +800,24 @@ def test_shards_cut_short_or_missing_are_named_at_opening_and_not_retried(
     assert storage.look_up(f"s3://{BUCKET}/nested", names, remote) == listed
     assert all(version.startswith("etag ") for _, version in listed.values()), listed
     assert s3.injected["403"] == 2 and s3.requests["HEAD"] >= 3, dict(s3.requests)
+
+
+def test_a_shard_cut_short_after_the_start_up_check_is_named_at_once(s3, built, monkeypatch):
+    """A shard cut short mid-run, after the start-up check listed the shards (s3fs keeps that
+    listing): its read is the DatasetError saying so, at once, not six tries of a "network"
+    fault (the object's size looked up again, not taken from the listing)."""
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
+    url = _upload(s3, built.files, "cut-mid-run")
+    reader = ShardReader(url, storage_options=s3.storage_options)
+    reader.check_shards()                               # the run's start-up check: intact
+    shard = built.samples[-1][0]
+    data = built.files[shard]
+    _fs(s3).pipe_file(f"{BUCKET}/cut-mid-run/{shard}", data[:len(data) // 2])
+    retried = sum(storage.RETRIES.values())
+    with pytest.raises(DatasetError, match=f"{url}/{shard} holds {len(data) // 2} bytes"):
+        reader.read_member(len(reader) - 1, "json")
+    assert sum(storage.RETRIES.values()) == retried
+    reader.close()
 
 
 def test_a_cache_folder_that_cannot_be_made_is_named_with_its_setting(tmp_path, monkeypatch):

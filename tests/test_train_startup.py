@@ -447,6 +447,26 @@ def test_a_bug_on_some_ranks_is_one_gathered_failure(monkeypatch, capsys, this_r
     assert ("Traceback" in printed) == (this_rank == 1), printed
 
 
+def test_a_store_that_kept_failing_at_start_up_exits_1(monkeypatch):
+    """The config phase's look-up of a dataset in a bucket that keeps failing, or whose
+    credentials are refused (a StorageError): exit status 1, as the README's table and
+    docs/storage.md say (and as mimo-shard exits), not 2, a config error's."""
+    from mimo_data.shards.storage import StorageError
+    from mimo_train.errors import StartupError
+    from mimo_train.runtime import console, distributed
+
+    def check():
+        raise StorageError("looking up s3://b/ds/index.json (endpoint http://127.0.0.1:9): "
+                           "access denied (PermissionError: Forbidden)")
+    monkeypatch.setattr(distributed, "gather", lambda error: [error, error])
+    monkeypatch.setattr(distributed, "barrier", lambda: None)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(StartupError) as failed:
+        console.agree("config", check)
+    assert "StorageError: looking up s3://b/ds/index.json" in str(failed.value)
+    assert failed.value.exit_code == 1
+
+
 def test_an_error_gathered_already_is_said_by_the_ranks_it_names(monkeypatch):
     """The token table's error (made on every rank from what each rank's share raised: a shard
     missing where rank 0 read, the same copy on every rank) is said with the ranks it

@@ -104,10 +104,10 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     except FileNotFoundError:
         names = _names_at(directory, storage_options)
         if names == [] and storage.is_remote(directory):
+            absent = storage.bucket_absence(directory, storage_options)
             raise DatasetError(f"{directory}: " + (
-                "nothing there, no such dataset (check the prefix)"
-                if storage.bucket_exists(directory, storage_options) else
-                storage.bucket_missing(directory, storage_options) +
+                "nothing there, no such dataset (check the prefix)" if absent is None else
+                storage.bucket_missing(directory, storage_options, absent) +
                 ": check the URL and the endpoint"),
                 missing=True) from None
         if names is None and directory.startswith(("http://", "https://")):

@@ -47,7 +47,10 @@ _RETRIES_LOCK = threading.Lock()
 
 
 class StorageError(OSError):
-    """A remote read or write that failed after every retry."""
+    """A remote read or write that failed after every retry (or whose credentials were
+    refused): exit status 1, the data's (a training start-up's config phase included)."""
+
+    exit_code = 1
 
 
 class ShortRead(OSError):
@@ -324,7 +327,7 @@ class Remote:
         if self._pid != os.getpid():
             import fsspec                # only remote datasets pay for the import
             check_scheme(self.location)
-            options = {"skip_instance_cache": True, **self.options}
+            options = {"skip_instance_cache": True, "use_listings_cache": False, **self.options}
             s3 = self.protocol in ("s3", "s3a")
             if s3:                       # botocore's retries off: ``retried`` does them all
                 options["config_kwargs"] = {
@@ -626,18 +629,31 @@ def redacted(options: Any) -> Any:
     return options
 
 
-def bucket_exists(location: str, storage_options: dict | None = None) -> bool:
-    """Whether the bucket of the S3 URL ``location`` may exist: False only where S3 says it
-    does not (True for any other location, and where the look-up fails: credentials that may
-    read a prefix but not the bucket's head)."""
+def bucket_absence(location: str, storage_options: dict | None = None
+                   ) -> FileNotFoundError | None:
+    """Where S3 says the bucket of the S3 URL ``location`` is not there, its answer (for
+    ``bucket_missing``: S3's NoSuchBucket, or an endpoint's bare 404); None for any other
+    location, and where the bucket is there or the look-up fails (credentials that may read
+    a prefix but not the bucket's head)."""
     scheme, _, path = location.partition("://")
     if scheme not in ("s3", "s3a"):
-        return True
+        return None
     top = f"{scheme}://{path.split('/')[0]}"
+    remote = Remote(top, storage_options)
+
+    def look() -> FileNotFoundError | None:
+        try:
+            remote.fs.info(top)
+        except FileNotFoundError:       # a HEAD's 404 is bare: a listing's says NoSuchBucket
+            try:
+                remote.fs.ls(location)
+            except FileNotFoundError as error:
+                return error
+        return None
     try:
-        return Remote(top, storage_options).exists(top)
+        return remote.retried(f"looking up {top}", look)
     except Exception:        # (StorageError, a client's own): no answer, so no claim
-        return True
+        return None
 
 
 def read_bytes(location: str, storage_options: dict | None = None) -> bytes:

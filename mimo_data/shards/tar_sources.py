@@ -209,9 +209,10 @@ def resolve(sources: list[str], options: IndexOptions,
 
 def _not_found(location: str, what: str, storage_options: dict | None) -> IndexInputError:
     """``location`` is not there: ``what``, unless its bucket is missing (said as such)."""
+    absent = storage.bucket_absence(location, storage_options)
     return IndexInputError(f"{location}: " + (
-        what if storage.bucket_exists(location, storage_options) else
-        storage.bucket_missing(location, storage_options) + ": check the URL and the endpoint"))
+        what if absent is None else storage.bucket_missing(location, storage_options, absent)
+        + ": check the URL and the endpoint"))
 
 
 def _resolve(sources: list[str], options: IndexOptions,
