@@ -604,13 +604,19 @@ def test_records_are_derived_from_the_shards_without_the_bucket_cache(s3, built,
 
 def test_which_http_replies_are_retried():
     """A server's error, throttling (429: an HTTP dataset's server, a hub's) and a request
-    timeout are tried again; a refusal or a missing object is not."""
+    timeout are tried again; a refusal, a missing object or a method the server does not
+    implement (501: a web server where an S3 store was meant) is not."""
+    import errno
+
     import aiohttp
 
     def reply(status: int) -> aiohttp.ClientResponseError:
         return aiohttp.ClientResponseError(None, (), status=status)     # type: ignore[arg-type]
-    assert [status for status in (400, 403, 404, 408, 416, 429, 500, 502, 503)
+    assert [status for status in (400, 403, 404, 408, 416, 429, 500, 501, 502, 503)
             if storage._transient(reply(status))] == [408, 429, 500, 502, 503]
+    # s3fs's own translation of a 501 reply to a PUT
+    assert not storage._transient(OSError(errno.ENOSYS, "Not Implemented"))
+    assert storage._transient(OSError(errno.ECONNRESET, "Connection reset by peer"))
 
 
 def test_injected_faults_are_retried_to_the_exact_bytes(s3, built, monkeypatch, capsys):

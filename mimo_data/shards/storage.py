@@ -17,6 +17,7 @@ requests) are turned off, so one policy decides and every retry is counted; othe
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import io
 import os
@@ -185,7 +186,9 @@ def _transient(exc: BaseException) -> bool:
         return False
     status = _http_status(exc)
     if status is not None:          # a server error, throttling or a request timeout
-        return status >= 500 or status in (408, 429)
+        return status >= 500 and status != 501 or status in (408, 429)
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSYS:
+        return False                # s3fs's 501 Not Implemented: no S3 store there
     if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
         return True
     # client libraries' own error types (aiohttp, botocore, urllib3, requests)
