@@ -672,6 +672,13 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
                             "--no-progress")
     assert code == 2 and f"{tmp_path / 'parts' / 'train-1.ndjson'} is given twice: each of its " \
         "records would be read twice; give it once" in err, err
+    # a copy under another name (a file fetched twice): the same bytes, refused alike
+    copy = tmp_path / "copy-of-train-1.ndjson"
+    copy.write_bytes((tmp_path / "parts" / "train-1.ndjson").read_bytes())
+    code, _, err = cli_main(capsys, "build", tmp_path / "parts" / "train-1.ndjson", copy,
+                            "-o", tmp_path / "no", "--no-progress")
+    assert code == 2 and f"{copy} holds the same bytes as {tmp_path / 'parts' / 'train-1.ndjson'}" \
+        " (a copy?): each of its records would be read twice" in err, err
     # a JSON file of records wrapped in an object (a download's {"data": [...]}): the list
     # named, with the command that unwraps it
     wrapped = tmp_path / "wrapped.json"

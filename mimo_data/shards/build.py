@@ -15,6 +15,7 @@ The output order, keys and bytes depend only on the inputs and options (not on
 from __future__ import annotations
 
 import glob
+import hashlib
 import itertools
 import json
 import os
@@ -277,7 +278,28 @@ def _globbed(inputs: list[str]) -> list[str]:
             raise BuildError(f"{path} is given twice" + (f" (first as {same})" if same != path
                                                          else "") +
                              ": each of its records would be read twice; give it once")
+    _no_copies(found)
     return found
+
+
+def _no_copies(paths: list[str]) -> None:
+    """BuildError where two of the local files ``paths`` hold the same bytes (a file fetched
+    twice, a glob reaching a copy): records without ids would each be read twice, unsaid.
+    Only files of one size are hashed."""
+    by_size: dict[int, list[str]] = {}
+    for path in paths:
+        if os.path.isfile(path):
+            by_size.setdefault(os.path.getsize(path), []).append(path)
+    for same_size in by_size.values():
+        seen: dict[str, str] = {}
+        for path in same_size if len(same_size) > 1 else ():
+            with open(path, "rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+            if digest in seen:
+                raise BuildError(f"{path} holds the same bytes as {seen[digest]} (a copy?): each "
+                                 "of its records would be read twice; give one (to weight a "
+                                 "dataset, training's data.weights do)")
+            seen[digest] = path
 
 
 def _in_a_dataset(path: str, known: dict[str, bool]) -> bool:
