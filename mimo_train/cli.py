@@ -198,6 +198,9 @@ def _modalities_note(data: dict) -> str:
     dropped = [m for m in others if m in unwritten]
     note = f"# The model takes {' and '.join(takes)} (its own tower) and text" + (
         "." if "video" in takes else ", no video.")
+    if "video" in takes and "image" in takes:
+        note += (" The tower serves the clips too: the layout gives video to its module "
+                 "(e.g. 'image=dp1,video;language=dp1').")
     if addable:
         note += (f" Adding {' or '.join(addable)} needs an encoder module of its own "
                  "(model.encoders, the layout).")

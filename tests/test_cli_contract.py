@@ -291,6 +291,8 @@ def test_hub_names_are_read_from_the_local_cache_without_a_request(capsys, monke
     # the video budget transformers keeps, and the cap that bounds it, said above the YAML
     assert "\n# video: each frame keeps up to max_pixels, as transformers' processor has it" \
         in out and "cap_pixels_per_frame: true holds a clip to max_video_tokens" in out, out
+    # the layout the clips need (the image module serves them: refused at start-up without)
+    assert "the layout gives video to its module (e.g. 'image=dp1,video;language=dp1')" in out
     expected = preprocessing_for(str(MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"))
     assert yaml.safe_load(out) == {**expected, "tokenizer": "Qwen/Qwen2-VL-2B-Instruct",
                                    "seq_length": 1024}
