@@ -256,7 +256,14 @@ def test_delta_net_layers_are_lora_targets():
                             (("in_proj",), frozenset()), (("linear_qkv", "out_proj"), frozenset())):
         with pytest.raises(TrainConfigError, match="names none of its linear layers") as refused:
             check_language_targets(adapted(*targets), 4, linear_layers=layers)
-        assert ("in_proj'" in str(refused.value).rpartition(":")[2]) == bool(layers)
+        listed = str(refused.value).partition("linear layers: ")[2]
+        assert ("in_proj'" in listed) == bool(layers)
+    # transformers' (PEFT's) names of the delta-net's projections name the fused in_proj
+    for name in ("in_proj_qkv", "in_proj_z", "linear_attn.in_proj_b", "in_proj_a"):
+        with pytest.raises(TrainConfigError, match="names none of its linear layers") as refused:
+            check_language_targets(adapted(name), 4, linear_layers=hybrid)
+        assert "is megatron-core's in_proj here" in str(refused.value), refused.value
+        assert str(refused.value).endswith("give in_proj)"), refused.value
 
 
 def test_mixture_of_experts_layers_are_lora_targets():

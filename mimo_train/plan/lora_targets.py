@@ -107,7 +107,10 @@ def _check_routed_experts(adapted: Adapted, num_layers: int, experts: int,
 # model.lora.language.targets takes (q, k and v are one fused layer there, gate and up too)
 PEFT_NAMES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
               "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
-              "down_proj": "linear_fc2", "gate_up_proj": "linear_fc1"}   # (a fused one's)
+              "down_proj": "linear_fc2", "gate_up_proj": "linear_fc1",   # (a fused one's)
+              # a gated delta-net's (Qwen3.5's linear_attn): one fused in_proj
+              "in_proj_qkv": "in_proj", "in_proj_z": "in_proj", "in_proj_b": "in_proj",
+              "in_proj_a": "in_proj"}
 
 
 def check_targets(adapted: Adapted, names: set[str]) -> None:
@@ -117,7 +120,9 @@ def check_targets(adapted: Adapted, names: set[str]) -> None:
             shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in names})
             ours = PEFT_NAMES.get(target.rpartition(".")[2])
             fused = {"linear_qkv": ", which holds q, k and v as one layer",
-                     "linear_fc1": ", which holds gate and up as one layer"}.get(ours or "", "")
+                     "linear_fc1": ", which holds gate and up as one layer",
+                     "in_proj": ", which holds q, k, v, z, b and a as one layer",
+                     }.get(ours or "", "")
             hint = (f" (transformers' {target} is megatron-core's {ours} here{fused}: give "
                     f"{ours})" if ours and any(matches(ours, n) for n in names) else "")
             raise TrainConfigError(f"model.lora.{adapted.part.name}.targets has {target!r}, "
