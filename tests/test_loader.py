@@ -195,8 +195,10 @@ def test_a_loader_says_what_it_drops(sources, table, tmp_path, loader_corpus, co
         f"some ({line.split('; ')[0]}): mimo-inspect report lists them" in message, message
     tight = preprocess_config_file(tmp_path / "tight.yaml", image={"max_pixels": 50176})
     tight.write_text(tight.read_text().replace("seq_length: 1024", "seq_length: 16"))
-    with pytest.raises(OrderError, match=r"\(\d+ samples, 0 kept, \d+ dropped \(.*too_long "
-                       r"\d+.*\); too_long: longer than seq_length 16, raise it\)"):
+    # none kept: that said first (not "use a smaller global batch")
+    with pytest.raises(OrderError, match=r"^preprocessing keeps none of the samples \(\d+ "
+                       r"samples, 0 kept, \d+ dropped \(.*too_long \d+.*\); too_long: longer "
+                       r"than seq_length 16, raise it\)"):
         build_loader(str(loader_corpus), tight, layout, 0, 2, GLOBAL_BATCH, 2, 11)
 
 

@@ -360,6 +360,10 @@ class DataSource:
             # too few samples for a batch: say what preprocessing dropped, and where to look
             long = (f"; too_long: longer than seq_length {self.config.seq_length}, raise it"
                     if "too_long" in self.tally.skipped else "")
+            if not sum(shape.kept_count for shape in self.shapes):     # the cause, first
+                raise TooFewSamples(f"preprocessing keeps none of the samples ("
+                                    f"{self.tally.summary()}{long}): mimo-inspect report "
+                                    "lists them") from None
             raise TooFewSamples(f"{error}. Preprocessing dropped some ({self.tally.summary()}"
                                 f"{long}): mimo-inspect report lists them") from None
 
