@@ -42,6 +42,11 @@ def test_yaml_and_dict_forms_equal_the_string_form(tmp_path):
     with pytest.raises(LayoutError, match="twice.yaml is not valid YAML: the key 'language' "
                        "is given twice"):
         Layout.parse(str(twice))
+    # the modules as a mapping of their one-line forms (a natural guess): the shape shown
+    with pytest.raises(LayoutError, match=r"layout keys image, language: expected 'modules' .*"
+                       r"e\.g\. \{modules: \{language: \{dp: 2\}, image: \{dp: 1, "
+                       r"rank_offset: 0\}\}\}, or the one-line form"):
+        Layout.from_dict({"language": "dp1", "image": "dp1,off0"})
 
 
 @pytest.mark.parametrize("text, words", [

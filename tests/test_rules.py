@@ -290,3 +290,14 @@ def test_a_packed_mixture_of_experts_under_tp_is_told_to_drop_packing_or_tp():
         "parallelism does not run with) and set model.language.sequence_parallel=true")
     assert experts_need_sequence_parallel(facts, layout, Settings()).endswith(
         "set model.language.sequence_parallel=true, or tp1")
+
+
+def test_encoders_named_to_a_layout_without_encoder_modules_say_so():
+    """A layout of the language model alone with model.encoders set: said as no encoder
+    modules (not "use its encoder modules" and an empty list)."""
+    from mimo_train.plan.parts import check_module_names
+    with pytest.raises(TrainConfigError, match=r"model\.encoders has image, which the layout "
+                       r".* does not name: it has no encoder modules: leave model\.encoders "
+                       r"out, or give the layout a module for each"):
+        check_module_names("model.encoders", ["image"], Layout.parse("language=dp2"),
+                           encoders_only=True)

@@ -349,7 +349,9 @@ class Layout:
         unknown = set(data) - {"modules", "modalities"}
         if unknown or "modules" not in data:
             raise LayoutError(f"layout keys {listed(sorted(data))}: expected 'modules' (and "
-                              "optionally 'modalities')")
+                              "optionally 'modalities'), e.g. {modules: {language: {dp: 2}, "
+                              "image: {dp: 1, rank_offset: 0}}}, or the one-line form "
+                              "'language=dp2;image=dp1,off0'")
         entries = data["modules"]
         if isinstance(entries, dict):
             entries = [{"name": name, **(values or {})} for name, values in entries.items()]

@@ -136,5 +136,7 @@ def check_module_names(key: str, names: Iterable[str], layout: Layout,
     if unknown:
         kind = "encoder modules" if encoders_only else "modules"
         raise TrainConfigError(f"{key} has {listed(unknown)}{meant(unknown, modules)}, which "
-                               f"the layout {layout} does not name: use its {kind} "
-                               f"{listed(modules)}")
+                               f"the layout {layout} does not name: " + (
+                                   f"use its {kind} {listed(modules)}" if modules else
+                                   f"it has no {kind}: leave {key} out, or give the layout "
+                                   "a module for each"))
