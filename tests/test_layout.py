@@ -94,13 +94,18 @@ def test_ranks_in_no_module():
 def test_overlapping_ranges():
     message = _error("language=dp2;image=dp2,off1", 3)
     assert "'image'" in message and "overlaps 'language'" in message
-    assert message.endswith("set image's offset to 2 (the world then has 4 ranks or more), or "
+    assert message.endswith("set image's offset to 2 (the world then has 4 ranks), or "
                             "put every module on the same ranks (colocated)"), message
     # with language context parallelism, which a colocated layout does not take: the offset
     # alone
     message = _error("language=cp2;image=dp1,off0", 2)
-    assert message.endswith("set image's offset to 2 (the world then has 3 ranks or more)"), \
-        message
+    assert message.endswith("set image's offset to 2 (the world then has 3 ranks)"), message
+    # two modules on the language model's ranks: both offsets at once, the layout they make
+    # sound (one at a time, the second overlap came up after the first was mended)
+    message = _error("language=tp2,dp1;image=dp1,off0;audio=dp1,off0", 2)
+    assert "set image's offset to 2, audio's offset to 3 (the world then has 4 ranks)" in \
+        message, message
+    Layout.parse("language=tp2,dp1;image=dp1,off2;audio=dp1,off3").validate(4, 8, 1, (), None)
 
 
 def test_a_tower_cannot_share_the_ranks_of_a_split_language_model():

@@ -702,7 +702,9 @@ def test_the_settings_the_ranks_compare_leave_out_what_a_node_sets_its_own_way()
 def test_one_process_for_a_layout_of_several_ranks_is_told_to_use_torchrun(monkeypatch):
     """``python -m mimo_train`` (no launcher: one process) for a layout of three ranks: the
     layout's refusal ends with the torchrun command, which a launched rank is not told."""
-    from mimo_data.loading.layout import Layout
+    from mimo_data.loading.layout import Layout, LayoutError
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.config import TrainConfig
     from mimo_train.training import start_checks
     layout = Layout.parse("language=dp2;image=dp1")
     monkeypatch.delenv("RANK", raising=False)
@@ -712,3 +714,16 @@ def test_one_process_for_a_layout_of_several_ranks_is_told_to_use_torchrun(monke
         "--standalone --nproc-per-node 3 -m mimo_train ...)")
     monkeypatch.setenv("RANK", "0")
     assert start_checks._alone(layout) == ""
+    # a layout unsound on any world (two modules on the language model's ranks): its own
+    # refusal alone, no torchrun command for a world of the broken layout's size
+    monkeypatch.delenv("RANK")
+    cfg = TrainConfig.load(str(REPO / "configs" / "train" / "images_audio_colocated.yaml"))
+    preprocess = PreprocessConfig.from_yaml(cfg.data.preprocess)
+    broken = Layout.parse("language=tp2,dp1;image=dp1,off0;audio=dp1,off0")
+    with pytest.raises(LayoutError) as refused:
+        start_checks.check_layout(cfg, preprocess, broken)
+    assert "audio's offset to 3" in str(refused.value) and "torchrun" not in \
+        str(refused.value), refused.value
+    with pytest.raises(LayoutError, match=r"--nproc-per-node 4 -m mimo_train"):
+        start_checks.check_layout(cfg, preprocess, Layout.parse(
+            "language=tp2,dp1;image=dp1,off2;audio=dp1,off3"))

@@ -573,12 +573,19 @@ class Layout:
                 # (a colocated layout takes no language context parallelism)
                 colocated = "" if any(m.name == LANGUAGE and m.cp > 1 for m in spans) else \
                     ", or put every module on the same ranks (colocated)"
+                # every module from here on placed after the one before it: all the offsets
+                # to set at once (one at a time, the next overlap came up after each)
+                moved, end = [], expected
+                for later in spans[spans.index(module):]:
+                    start = max(later.rank_offset, end)
+                    if start != later.rank_offset:
+                        moved.append(f"{later.name}'s offset to {start}")
+                    end = max(end, start + later.size)
                 raise LayoutError(
                     f"module {module.name!r} (ranks {module.rank_offset}..{module.ranks.stop - 1}"
                     f") overlaps {other.name!r} (ranks {other.rank_offset}.."
                     f"{other.ranks.stop - 1}): non-colocated modules need disjoint rank ranges;"
-                    f" set {module.name}'s offset to {expected} (the world then has "
-                    f"{max(expected + module.size, self.world_size)} ranks or more){colocated}")
+                    f" set {', '.join(moved)} (the world then has {end} ranks){colocated}")
             if module.rank_offset > expected:
                 raise LayoutError(f"ranks {expected}..{module.rank_offset - 1} are in no module "
                                   f"(gap before {module.name!r} at offset {module.rank_offset}); "

@@ -76,12 +76,27 @@ def check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -
                 except DatasetError as error:
                     raise TrainConfigError(f"{key}: {error}") from None
     _check_no_copies(cfg)
+    check_layout(cfg, preprocess, layout)
+
+
+def check_layout(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -> None:
+    """``LayoutError`` for a layout that does not fit the world, the batch sizes or the
+    modalities; where it would fit a world of its own size, with the torchrun command that
+    starts one (a process started without a launcher)."""
     try:
         layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
                         cfg.train.micro_batch_size, variable_token_modalities(preprocess),
                         modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
     except LayoutError as error:
-        raise LayoutError(f"{error}{_uneven_nodes()}{_alone(layout)}") from None
+        try:                # the layout sound on a world of its own size: the launch is amiss
+            layout.validate(layout.world_size, cfg.train.global_batch_size,
+                            cfg.train.micro_batch_size, variable_token_modalities(preprocess),
+                            modalities=list(preprocess.modalities),
+                            split_media=cfg.data.split_media)
+            alone = _alone(layout)
+        except LayoutError:
+            alone = ""
+        raise LayoutError(f"{error}{_uneven_nodes()}{alone}") from None
 
 
 def _check_cache_dir(root: str | None) -> None:
