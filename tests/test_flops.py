@@ -383,3 +383,20 @@ def test_shared_expert_flops_are_what_torch_counts(qwen3_5_text):
     attention = Stack(4, 64, 4, 2, 64, 0, gated=True)
     assert counted == {"mm": 100 * (layer_flops_per_token(moe)
                                     - layer_flops_per_token(attention))}
+
+
+def test_qwen3_vl_30b_a3b_counts_the_routed_experts_a_token_takes():
+    """The published Qwen3-VL-30B-A3B's language layer as the plan reads its config.json: the
+    attention (32 query heads and 4 KV groups of 128), the router over 128 experts and the
+    8 experts of 768 a token goes through, not all 128 (which would be 16x the experts')."""
+    from mimo_train.config import LanguageConfig
+    from mimo_train.plan.language import language_plan
+    from mimo_train.planning.dims import language_stack
+    from mimo_train.planning.flops import expert_flops_per_token
+    published = REPO / "tools" / "published" / "Qwen--Qwen3-VL-30B-A3B-Instruct"
+    stack = language_stack(language_plan(LanguageConfig(), str(published)))
+    assert (stack.experts, stack.experts_per_token) == (128, 8)
+    experts = 2 * 8 * (2048 * 2 * 768 + 768 * 2048)
+    attention = 2 * (2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048)
+    assert expert_flops_per_token(stack) == experts == 75_497_472
+    assert layer_flops_per_token(stack) == attention + 2 * 2048 * 128 + experts
