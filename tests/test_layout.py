@@ -266,10 +266,11 @@ def test_expert_parallelism_parses_and_keeps_the_module_size(tmp_path):
 
 @pytest.mark.parametrize("text, words", [
     ("language=tp2,dp2,ep8", ["etp2 (etp is tp unless given) x ep8 = 16", "tp x cp x dp = 4"]),
-    # etp left to be tp, where etp1 would fit: that is offered (ep2 x etp1 divides tp2)
+    # etp left to be tp, where etp1 would fit: that is offered (ep2 x etp1 divides tp2), and
+    # with cp x dp 1 no ep "that divides 1" (no expert parallelism at all)
     ("language=tp2,ep2", ["etp2 (etp is tp unless given) x ep2 = 4 does not divide tp x cp x "
-                          "dp = 2", "choose an ep that divides 1 (cp x dp, etp being tp), or "
-                          "add etp1 to the module"]),
+                          "dp = 2", "; add etp1 to the module (each expert whole on its "
+                          "ranks), or raise dp"]),
     ("language=tp2,dp2,ep4", ["etp2 (etp is tp unless given) x ep4 = 8 does not divide tp x cp "
                               "x dp = 4", "choose an ep that divides 2 (cp x dp, etp being tp)"]),
     ("language=dp2,ep4,etp2", ["choose an ep and an etp whose product divides it, e.g. "

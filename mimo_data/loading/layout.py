@@ -117,9 +117,12 @@ class ModuleLayout:
             if ep_fits and self.etp is not None:
                 remedy = (f"choose an etp that divides {spread // self.ep} (tp x cp x dp / "
                           f"ep{self.ep}), e.g. etp1 (each expert whole on its ranks)")
-            elif ep_fits and self.tp > 1:
+            elif ep_fits and self.tp > 1 and spread // self.tp > 1:
                 remedy = (f"choose an ep that divides {spread // self.tp} (cp x dp, etp being "
                           "tp), or add etp1 to the module (each expert whole on its ranks)")
+            elif ep_fits and self.tp > 1:       # cp x dp 1: no ep but 1 would divide it
+                remedy = ("add etp1 to the module (each expert whole on its ranks), or raise "
+                          "dp")
             else:
                 near = max(n for n in range(1, self.ep + 1) if spread % n == 0)
                 remedy = (f"choose an ep and an etp whose product divides it, e.g. "
