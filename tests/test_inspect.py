@@ -1254,7 +1254,9 @@ def test_plan_text_summary(capsys, clean, configs, single_image):
     assert code == 0 and out.rstrip().endswith(
         "\nidle      module 'audio' gets no item this epoch (the data holds no audio): its "
         "weights would not train and its rank(s) 2, 3 do nothing for it; drop it from the "
-        "layout, or give the data it is for"), out
+        "layout, or give the data it is for\nmodel     its rules not checked (experts over "
+        "ep, heads over tp, ...): give --model (its config.json or a training YAML) for "
+        "mimo-train's verdict"), out
 
 
 PACKING_PLAN = ("--layout", "language=dp2;image=dp1;audio=dp1", "--global-batch-size", "8",

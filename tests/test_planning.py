@@ -953,6 +953,13 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
     code, _, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
                         "--global-batch-size", 4, "--micro-batch-size", 1)
     assert code == 2 and "--layout" in err
+    # a layout alone: valid for the data, the model's rules said to be unchecked
+    code, out, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
+                          "--global-batch-size", 4, "--micro-batch-size", 1, "--layout",
+                          "language=dp1;image=dp1,off0")
+    assert code == 0 and out.rstrip().endswith(
+        "model     its rules not checked (experts over ep, heads over tp, ...): give --model "
+        "(its config.json or a training YAML) for mimo-train's verdict"), (out, err)
     # one layout with --model and no --gpus: the trainer's rules for that model, then the
     # plan of that layout; a layout it refuses exits 2 as mimo-train would (its 2 heads do not
     # split over tp4), without mimo_train said to need it

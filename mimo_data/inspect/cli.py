@@ -558,6 +558,9 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
                   "--model beside --layout)", file=sys.stderr)
             return 2
         code = run_plan(args, config)
+        if code == 0 and args.model is None and not args.json:
+            print("model     its rules not checked (experts over ep, heads over tp, ...): give "
+                  "--model (its config.json or a training YAML) for mimo-train's verdict")
         if code == 0 and args.model is not None and not args.json:
             from mimo_data.loading.layout import Layout
             gpus = Layout.parse(args.layout).world_size
