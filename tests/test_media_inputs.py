@@ -820,3 +820,31 @@ def test_empty_clip_list_gives_empty_inputs():
     assert inputs["input_features"].shape == (0, 128)
     assert inputs["feature_lens"].shape == (0,)
     assert audio_rows_to_tokens(inputs, cfg) == []
+
+
+@pytest.mark.parametrize("long_audio", ["drop", "truncate"])
+def test_audio_metadata_tokens_equal_decoded_rows_at_odd_rates_and_window_edges(long_audio):
+    """Around the smallest clip and the 30 s window, at a low rate, a rate that resamples with
+    FFmpeg and a high one: the count from the probed metadata (what the placeholders get) is
+    the decoded clip's row count, or both are the same drop."""
+    cfg, modality = AudioConfig(long_audio=long_audio), AUDIO
+    rng = np.random.default_rng(0)
+    for rate in (4000, 16001, 96000):
+        for seconds in (0.0126, 0.02, 29.999, 30.0, 30.01):
+            out = io.BytesIO()
+            soundfile.write(out, 0.1 * rng.standard_normal(round(seconds * rate)).astype(
+                np.float32), rate, format="WAV", subtype="PCM_16")
+            data = out.getvalue()
+            item = probe_audio(data) | {"member": "aud0.wav"}
+            outcomes = []
+            for count in (lambda item=item: modality.item_tokens(item, cfg),
+                          lambda data=data, item=item: audio_rows_to_tokens(
+                              audio_encoder_inputs([modality.decode(data, item, cfg)], cfg),
+                              cfg)[0]):
+                try:
+                    outcomes.append(count())
+                except MediaError as exc:
+                    outcomes.append(exc.reason)
+            assert outcomes[0] == outcomes[1], (rate, seconds, outcomes)
+            if seconds == 30.01:
+                assert outcomes[0] == (750 if long_audio == "truncate" else "audio_too_long")
