@@ -104,6 +104,11 @@ class Trainer:
             lambda: self._read_config(records, differing))
         self.infra: Infra = phase("process groups", "process groups ready", lambda: build_infra(
             self.layout, "nccl" if self.device.type == "cuda" else "gloo", timeout))
+        # the data before the model: what the data refuses (too few samples kept, too many
+        # dropped) is said before a pretrained model's minutes of loading
+        self.loader, self.valid_loader = phase(
+            "data", lambda loaders: "data loaders ready" + (
+                f": {loaders[0].summary()}" if loaders[0] is not None else ""), self._loaders)
         # two phases: a rank's model can fail alone (a LoRA target its module lacks), and the
         # optimizer's and schedule's set-up holds collectives of the whole world
         self.peak_memory = PeakMemory(self.device)      # the records' memory_mib from here
@@ -114,9 +119,6 @@ class Trainer:
             self._build_optimizer, self.text))
         if cfg.model.init_from:
             self._init_from(cfg.model.init_from)
-        self.loader, self.valid_loader = phase(
-            "data", lambda loaders: "data loaders ready" + (
-                f": {loaders[0].summary()}" if loaders[0] is not None else ""), self._loaders)
         self.eval_steps = self._eval_steps() if cfg.data.valid else 0
         self.step = 0
         self.lora_bases: list[dict] | None = None  # a LoRA run's fixed weights: path, digest
