@@ -26,7 +26,8 @@ class Parser(argparse.ArgumentParser):
             known = [option for action in self._actions for option in action.option_strings]
             given = [word.split("=")[0] for word in getattr(self, "words", [])]
             typos = [word for word in given if word.startswith("--") and word != "--" and
-                     not any(option.startswith(word) for option in known)]
+                     word not in known and not (self.allow_abbrev and any(
+                         option.startswith(word) for option in known))]
             if typos:
                 close = difflib.get_close_matches(typos[0], known, n=1)
                 message = f"unrecognized arguments: {' '.join(typos)}" + (

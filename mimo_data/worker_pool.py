@@ -83,12 +83,12 @@ def _start_forkserver() -> None:
     try:
         forkserver.ensure_running()
     finally:
-        if blocked:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
         if earlier_caller is None:
             del os.environ[forkserver_hook.CALLER_VARIABLE]
         else:
             os.environ[forkserver_hook.CALLER_VARIABLE] = earlier_caller
+        if blocked:     # last: a Ctrl-C held meanwhile is raised here
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:

@@ -131,6 +131,9 @@ def test_usage_errors_exit_2(capsys, tmp_path, cli):
     typo, meant = ("--ouput", "--output") if cli == "mimo-shard" else ("--confg", "--config")
     code, err = _main(module, capsys, sub, "a", typo, "x")
     assert code == 2 and f"unrecognized arguments: {typo} (did you mean {meant}?)" in err, err
+    if cli == "mimo-inspect":      # a cut-short option where abbreviations are off: named too
+        code, err = _main(module, capsys, sub, "a", "--confi", "x")
+        assert code == 2 and "unrecognized arguments: --confi (did you mean --config?)" in err, err
     code, err = _main(module, capsys, "info" if cli == "mimo-shard" else "report",
                       tmp_path / "missing", *(() if cli == "mimo-shard" else
                                               ("--config", REPO / "configs" / "preprocess.yaml")))

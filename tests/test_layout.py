@@ -106,6 +106,11 @@ def test_overlapping_ranges():
     assert "set image's offset to 2, audio's offset to 3 (the world then has 4 ranks)" in \
         message, message
     Layout.parse("language=tp2,dp1;image=dp1,off2;audio=dp1,off3").validate(4, 8, 1, (), None)
+    # a module after a gap: the offsets said close it too (followed, no gap refused next)
+    message = _error("image=dp2,off0;audio=dp1,off1;language=dp2,off4", 6)
+    assert "set audio's offset to 2, language's offset to 3 (the world then has 5 ranks)" in \
+        message, message
+    Layout.parse("image=dp2,off0;audio=dp1,off2;language=dp2,off3").validate(5, 8, 1, (), None)
 
 
 def test_a_tower_cannot_share_the_ranks_of_a_split_language_model():

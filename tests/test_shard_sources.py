@@ -679,6 +679,11 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
                             "-o", tmp_path / "no", "--no-progress")
     assert code == 2 and f"{copy} holds the same bytes as {tmp_path / 'parts' / 'train-1.ndjson'}" \
         " (a copy?): each of its records would be read twice" in err, err
+    # empty inputs (a partitioned export's empty parts) hold no records to read twice
+    (tmp_path / "empty-1.jsonl").write_bytes(b"")
+    (tmp_path / "empty-2.jsonl").write_bytes(b"")
+    from mimo_data.shards.build import _no_copies
+    _no_copies([str(tmp_path / "empty-1.jsonl"), str(tmp_path / "empty-2.jsonl")])
     # a JSON file of records wrapped in an object (a download's {"data": [...]}): the list
     # named, with the command that unwraps it
     wrapped = tmp_path / "wrapped.json"

@@ -303,7 +303,8 @@ def test_ctrl_c_while_the_forkserver_starts_is_not_lost(monkeypatch):
     # interrupt the caller, and the forkserver is still not to take it (it is blocked there).
     from multiprocessing import forkserver
 
-    from mimo_data import worker_pool
+    from mimo_data import forkserver_hook, worker_pool
+    before = os.environ.get(forkserver_hook.CALLER_VARIABLE)
     started = forkserver.ensure_running
     servers = []
 
@@ -316,6 +317,8 @@ def test_ctrl_c_while_the_forkserver_starts_is_not_lost(monkeypatch):
         worker_pool._start_forkserver()
         time.sleep(1)               # (delivered through another thread: at the main's next turn)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # the caller's environment as it was (the Ctrl-C raised at the unblocking skipped it)
+    assert os.environ.get(forkserver_hook.CALLER_VARIABLE) == before
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
     if servers and servers[0] is not None:      # one this test started: blocked or ignored
         status = Path(f"/proc/{servers[0]}/status").read_text()

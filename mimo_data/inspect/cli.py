@@ -104,7 +104,7 @@ def _common(parser: argparse.ArgumentParser, directory_help: str | None = None,
 
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="mimo-inspect", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True,
                                      help="what to do (each has its own --help)")
 

@@ -269,7 +269,7 @@ def format_dry_run(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="python -m mimo_data.loading.dry_run",
-                                     description=__doc__.split("\n\n")[0])
+                    description=__doc__.split("\n\n")[0])
     parser.add_argument("datasets", nargs="+", type=user_path,
                         help="dataset directories (mimo-shard build)")
     parser.add_argument("--config", required=True, type=user_path,

@@ -580,7 +580,7 @@ class Layout:
                 # to set at once (one at a time, the next overlap came up after each)
                 moved, end = [], expected
                 for later in spans[spans.index(module):]:
-                    start = max(later.rank_offset, end)
+                    start = end                 # (after a gap too: closed)
                     if start != later.rank_offset:
                         moved.append(f"{later.name}'s offset to {start}")
                     end = max(end, start + later.size)

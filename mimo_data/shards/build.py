@@ -288,7 +288,7 @@ def _no_copies(paths: list[str]) -> None:
     Only files of one size are hashed."""
     by_size: dict[int, list[str]] = {}
     for path in paths:
-        if os.path.isfile(path):
+        if os.path.isfile(path) and os.path.getsize(path):    # (empty: no records)
             by_size.setdefault(os.path.getsize(path), []).append(path)
     for same_size in by_size.values():
         seen: dict[str, str] = {}

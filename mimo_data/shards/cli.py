@@ -55,7 +55,7 @@ def _shard_name(text: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog="mimo-shard", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True,
                                      help="what to do (each has its own --help)")
 
