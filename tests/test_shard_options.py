@@ -338,7 +338,9 @@ def test_inputs_that_cannot_be_what_was_meant_are_refused(capsys, tmp_path, smal
         code, _, err = cli_main(capsys, "build", tmp_path / name, "-o", tmp_path / f"o-{name}",
                                 "--no-progress")
         assert code == 1 and "the inputs hold no record" in err, (name, err)
-    other = write_jsonl(tmp_path / "other.jsonl", good_records)
+    # another input numbering its own records (other content: a copy is refused apart)
+    other = write_jsonl(tmp_path / "other.jsonl", [{**record, "source": "other export"}
+                                                   for record in good_records])
     code, _, err = cli_main(capsys, "build", small_input, other, "-o", tmp_path / "c",
                             "--no-progress")
     assert code == 0, err

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -297,31 +296,54 @@ def test_a_second_ctrl_c_does_not_break_off_the_stop(tmp_path):
     # (the Ctrl-C was sent: without the stop's ignoring it, the traceback is its)
 
 
-def test_ctrl_c_while_the_forkserver_starts_is_not_lost(monkeypatch):
-    # _start_forkserver set SIGINT to SIG_IGN in the caller while the forkserver started, so
-    # a Ctrl-C in that window was discarded: the build ran on to the end (exit 0). It is to
-    # interrupt the caller, and the forkserver is still not to take it (it is blocked there).
-    from multiprocessing import forkserver
+_CTRL_C_AT_START = r'''
+import os, signal, time
+from multiprocessing import forkserver
+from mimo_data import forkserver_hook, worker_pool
 
-    from mimo_data import forkserver_hook, worker_pool
-    before = os.environ.get(forkserver_hook.CALLER_VARIABLE)
-    started = forkserver.ensure_running
-    servers = []
+before = os.environ.get(forkserver_hook.CALLER_VARIABLE)
+started = forkserver.ensure_running
+servers = []
 
-    def ctrl_c_meanwhile():
-        os.kill(os.getpid(), signal.SIGINT)
-        started()
-        servers.append(forkserver._forkserver._forkserver_pid)
-    monkeypatch.setattr(forkserver, "ensure_running", ctrl_c_meanwhile)
-    with pytest.raises(KeyboardInterrupt):
-        worker_pool._start_forkserver()
-        time.sleep(1)               # (delivered through another thread: at the main's next turn)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    # the caller's environment as it was (the Ctrl-C raised at the unblocking skipped it)
-    assert os.environ.get(forkserver_hook.CALLER_VARIABLE) == before
-    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-    if servers and servers[0] is not None:      # one this test started: blocked or ignored
-        status = Path(f"/proc/{servers[0]}/status").read_text()
-        held = {line.split(":")[0]: int(line.split()[1], 16) for line in status.splitlines()
-                if line.startswith(("SigBlk", "SigIgn"))}
-        assert (held["SigBlk"] | held["SigIgn"]) & (1 << (signal.SIGINT - 1)), held
+
+def ctrl_c_meanwhile():
+    os.kill(os.getpid(), signal.SIGINT)
+    started()
+    servers.append(forkserver._forkserver._forkserver_pid)
+
+
+forkserver.ensure_running = ctrl_c_meanwhile
+try:
+    worker_pool._start_forkserver()
+    time.sleep(1)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted")
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+      os.environ.get(forkserver_hook.CALLER_VARIABLE) == before,
+      signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+if servers and servers[0] is not None:      # the forkserver holds SIGINT blocked or ignored
+    status = open(f"/proc/{servers[0]}/status").read()
+    held = {line.split(":")[0]: int(line.split()[1], 16) for line in status.splitlines()
+            if line.startswith(("SigBlk", "SigIgn"))}
+    print(bool((held["SigBlk"] | held["SigIgn"]) & (1 << (signal.SIGINT - 1))))
+else:
+    print(True)
+'''
+
+
+def test_ctrl_c_while_the_forkserver_starts_is_not_lost(tmp_path):
+    """_start_forkserver set SIGINT to SIG_IGN in the caller while the forkserver started, so
+    a Ctrl-C in that window was discarded: the build ran on to the end (exit 0). It is to
+    interrupt the caller (its handler, its signal mask and environment as they were), and the
+    forkserver is still not to take it (blocked there). In a process of its own: a pytest-xdist
+    worker ignores SIGINT and runs threads of its own."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    (tmp_path / "caller.py").write_text(_CTRL_C_AT_START)
+    done = subprocess.run([sys.executable, str(tmp_path / "caller.py")], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.stdout.split() == ["interrupted", "True", "True", "True", "True"], done
