@@ -301,6 +301,9 @@ import os, signal, time
 from multiprocessing import forkserver
 from mimo_data import forkserver_hook, worker_pool
 
+# Python's own handler, as a command at a terminal has it (one started in the background of
+# a script, as CI runs the suite, inherits SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 before = os.environ.get(forkserver_hook.CALLER_VARIABLE)
 started = forkserver.ensure_running
 servers = []
@@ -336,8 +339,8 @@ def test_ctrl_c_while_the_forkserver_starts_is_not_lost(tmp_path):
     """_start_forkserver set SIGINT to SIG_IGN in the caller while the forkserver started, so
     a Ctrl-C in that window was discarded: the build ran on to the end (exit 0). It is to
     interrupt the caller (its handler, its signal mask and environment as they were), and the
-    forkserver is still not to take it (blocked there). In a process of its own: a pytest-xdist
-    worker ignores SIGINT and runs threads of its own."""
+    forkserver is still not to take it (blocked there). In a process of its own, with Python's
+    SIGINT handler: the suite may run with SIGINT ignored (a script's background job)."""
     import subprocess
     import sys
 
