@@ -287,9 +287,9 @@ def _no_copies(paths: list[str]) -> None:
     twice, a glob reaching a copy): records without ids would each be read twice, unsaid.
     Only files of one size are hashed."""
     by_size: dict[int, list[str]] = {}
-    for path in paths:
-        if os.path.isfile(path) and os.path.getsize(path):    # (empty: no records)
-            by_size.setdefault(os.path.getsize(path), []).append(path)
+    for path in filter(os.path.isfile, paths):
+        if size := os.path.getsize(path):                      # (empty: no records)
+            by_size.setdefault(size, []).append(path)
     for same_size in by_size.values():
         seen: dict[str, str] = {}
         for path in same_size if len(same_size) > 1 else ():

@@ -68,12 +68,17 @@ def set_attention(tower: torch.nn.Module, implementation: str, by_boundaries: bo
     tower.set_attn_implementation("sdpa")          # checks the tower takes the interface
     if not by_boundaries:
         return "sdpa"
+    serve_attention(tower, VARLEN, varlen_attention)
+    return VARLEN
+
+
+def serve_attention(model: torch.nn.Module, name: str, function) -> None:
+    """``function`` registered with transformers' ``AttentionInterface`` as ``name`` and set
+    on every config of ``model``: directly, as ``set_attn_implementation`` would load the
+    flash-attn package (or a hub kernel) for a name that says "flash"."""
     from transformers import AttentionInterface, PreTrainedConfig
-    AttentionInterface.register(VARLEN, varlen_attention)
-    # set on the configs directly: set_attn_implementation would load the flash-attn package
-    # (or a hub kernel) for a name that says "flash"
-    for module in tower.modules():
+    AttentionInterface.register(name, function)
+    for module in model.modules():
         config = getattr(module, "config", None)
         if isinstance(config, PreTrainedConfig):
-            config._attn_implementation = VARLEN
-    return VARLEN
+            config._attn_implementation = name

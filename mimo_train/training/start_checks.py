@@ -83,16 +83,15 @@ def check_layout(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout)
     """``LayoutError`` for a layout that does not fit the world, the batch sizes or the
     modalities; where it would fit a world of its own size, with the torchrun command that
     starts one (a process started without a launcher)."""
-    try:
-        layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
-                        cfg.train.micro_batch_size, variable_token_modalities(preprocess),
+    def validate(world_size: int) -> None:
+        layout.validate(world_size, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                        variable_token_modalities(preprocess),
                         modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
+    try:
+        validate(dist.get_world_size())
     except LayoutError as error:
         try:                # the layout sound on a world of its own size: the launch is amiss
-            layout.validate(layout.world_size, cfg.train.global_batch_size,
-                            cfg.train.micro_batch_size, variable_token_modalities(preprocess),
-                            modalities=list(preprocess.modalities),
-                            split_media=cfg.data.split_media)
+            validate(layout.world_size)
             alone = _alone(layout)
         except LayoutError:
             alone = ""

@@ -113,18 +113,6 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return varlen_attention(module, query, key, value, None, **kwargs)
 
 
-def set_packed_attention(model: torch.nn.Module) -> None:
-    """``PACKED_VARLEN`` registered and set on every config of ``model`` (directly:
-    ``set_attn_implementation`` would look for the flash-attn package for a name that says
-    "flash")."""
-    from transformers import AttentionInterface, PreTrainedConfig
-    AttentionInterface.register(PACKED_VARLEN, packed_attention)
-    for part in model.modules():
-        config = getattr(part, "config", None)
-        if isinstance(config, PreTrainedConfig):
-            config._attn_implementation = PACKED_VARLEN
-
-
 def hf_inputs(batch: dict, preprocess: PreprocessConfig, token_ids: dict[str, int], total: int,
               device: torch.device, token_types: bool = True) -> dict:
     """One of mimo's micro-batches as transformers' model takes it (``labels=`` shifted by
@@ -211,7 +199,8 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
         model_cfg["pretrained"], dtype=dtype,
         attn_implementation="sdpa" if attention == PACKED_VARLEN else attention).to(device)
     if attention == PACKED_VARLEN:
-        set_packed_attention(model)
+        from mimo_train.model.tower_attention import serve_attention
+        serve_attention(model, PACKED_VARLEN, packed_attention)
     if "image" in model_cfg.get("freeze", []):
         model.model.visual.requires_grad_(False)
     lora = (model_cfg.get("lora") or {}).get("language")
