@@ -88,7 +88,23 @@ def test_a_package_the_project_does_not_allow_is_named(tmp_path):
         f"transformers {transformers_version} (needs >=99)"]
 
 
-def test_without_pyav_the_shards_hold_no_clips_and_say_why(tmp_path, monkeypatch):
+@pytest.fixture
+def pyav_stub_forgotten():
+    """The PyAV stub a test's build imports, and the project's modules first imported beside
+    it (which hold the stub as ``av``), leave ``sys.modules`` after it: left there, the
+    module's later shards (and every later file's ``import av`` in this worker) would take
+    the stub for PyAV and hold no clips."""
+    before = set(sys.modules)
+    yield
+    project = [REPO / folder for folder in ("mimo_data", "mimo_train", "tools")]
+    for name in set(sys.modules) - before:
+        file = Path(getattr(sys.modules[name], "__file__", None) or "/")
+        if any(file.is_relative_to(folder) for folder in project):
+            del sys.modules[name]
+
+
+def test_without_pyav_the_shards_hold_no_clips_and_say_why(tmp_path, monkeypatch,
+                                                             pyav_stub_forgotten):
     """Where PyAV's wheel was not carried (the GPU image has no PyAV), the packages step goes
     on without it, the check's shards are the corpus's image and text conversations, the
     summary says why there are no clips, and the cases' configs neither expand video nor
