@@ -419,6 +419,9 @@ train: {steps: 20}
     (["train.precision=fp16"], "train.precision is 'fp16'"),
     (["optimizer.min_lr=0.01"], "optimizer.min_lr 0.01"),
     (["optimizer.min_lr=-0.0001"], "optimizer.min_lr -0.0001"),
+    # the file's min_lr stays where an override lowers lr alone: the message says to give both
+    (["optimizer.lr=1e-5"], "optimizer.min_lr 0.0001 must be in [0, lr=1e-05]: where "
+     "optimizer.lr changes, give optimizer.min_lr beside it (e.g. optimizer.min_lr=1e-06"),
     (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps is -1"),
     # a bucket size megatron-core would leave unused (no overlap_grad_reduce), per module too
     (["optimizer.bucket_size=1000"], "optimizer.bucket_size 1000 is the size of the buckets "

@@ -288,7 +288,10 @@ class OptimizerConfig:
         where = f"optimizer.modules.{module}." if module else "optimizer."
         assert self.min_lr is not None                 # (__post_init__ sets it from lr)
         if not 0 <= self.min_lr <= self.lr:
-            raise TrainConfigError(f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]")
+            raise TrainConfigError(
+                f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]: where {where}lr "
+                f"changes, give {where}min_lr beside it (e.g. {where}min_lr="
+                f"{self.lr / 10:g}, a tenth of it)")
         if module is not None:          # (a module's: ``of``'s, its own modules gone)
             return
         unused = [("optimizer.", self.bucket_size)] if self.bucket_size is not None and not (
