@@ -13,25 +13,37 @@ import sys
 
 class Parser(argparse.ArgumentParser):
     """argparse's parser, but an option it does not know is named before a required one
-    found missing: argparse checks the required options first, so ``--ouput DIR`` was said
-    as ``--output`` missing, never as the typo it is. Its subcommands' parsers are of this
-    class too."""
+    found missing (argparse checks the required options first, so ``--ouput DIR`` was said
+    as ``--output`` missing, never as the typo it is), with the closest known option, a
+    subcommand's included (argparse leaves a subcommand's unknown options to the top
+    parser, which knows none of its options). Its subcommands' parsers are of this class
+    too."""
 
     def parse_known_args(self, args=None, namespace=None):
         self.words = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
+    def options(self) -> list[str]:
+        """The options this parser knows, with those of the subcommand its words name."""
+        known = [option for action in self._actions for option in action.option_strings]
+        for action in self._actions:
+            for name, command in (action.choices if isinstance(action.choices, dict)
+                                  else {}).items():
+                if isinstance(command, Parser) and name in getattr(self, "words", []):
+                    known += command.options()
+        return known
+
     def error(self, message: str):
-        if message.startswith("the following arguments are required"):
-            known = [option for action in self._actions for option in action.option_strings]
-            given = [word.split("=")[0] for word in getattr(self, "words", [])]
-            typos = [word for word in given if word.startswith("--") and word != "--" and
-                     word not in known and not (self.allow_abbrev and any(
-                         option.startswith(word) for option in known))]
-            if typos:
-                close = difflib.get_close_matches(typos[0], known, n=1)
-                message = f"unrecognized arguments: {' '.join(typos)}" + (
-                    f" (did you mean {close[0]}?)" if close else "") + f"; {message}"
+        known = self.options()
+        typos = [word for word in (word.split("=")[0] for word in getattr(self, "words", []))
+                 if word.startswith("--") and word != "--" and word not in known and not (
+                     self.allow_abbrev and any(option.startswith(word) for option in known))]
+        close = difflib.get_close_matches(typos[0], known, n=1) if typos else []
+        guess = f" (did you mean {close[0]}?)" if close else ""
+        if typos and message.startswith("the following arguments are required"):
+            message = f"unrecognized arguments: {' '.join(typos)}{guess}; {message}"
+        elif typos and message.startswith("unrecognized arguments"):
+            message += guess
         super().error(message)
 
 

@@ -134,6 +134,12 @@ def test_usage_errors_exit_2(capsys, tmp_path, cli):
     if cli == "mimo-inspect":      # a cut-short option where abbreviations are off: named too
         code, err = _main(module, capsys, sub, "a", "--confi", "x")
         assert code == 2 and "unrecognized arguments: --confi (did you mean --config?)" in err, err
+    # a subcommand's own option mistyped, nothing required missing: argparse leaves it to the
+    # top parser, which knows none of the subcommand's options; the closest one is named
+    typo, meant = ("--jsno", "--json") if cli == "mimo-shard" else ("--limt", "--limit")
+    code, err = _main(module, capsys, sub if cli != "mimo-shard" else "info", tmp_path, typo,
+                      *(() if cli == "mimo-shard" else ("--config", "x")))
+    assert code == 2 and f"unrecognized arguments: {typo} (did you mean {meant}?)" in err, err
     code, err = _main(module, capsys, "info" if cli == "mimo-shard" else "report",
                       tmp_path / "missing", *(() if cli == "mimo-shard" else
                                               ("--config", REPO / "configs" / "preprocess.yaml")))
