@@ -398,6 +398,21 @@ def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, cor
     assert data_changes(two, {"datasets": two["datasets"][::-1], "weights": [0.75, 0.25]}) == \
         f"the same datasets in another order ({corpus}, b then, b, {corpus} now); blend " \
         "weights 0.25, 0.75 then, 0.75, 0.25 now (as shares)"
+    # weights written otherwise for the same blend ([1, 2] then, [0.3, 0.6] now: shares
+    # that differ in their last bits) give each dataset the same samples: the run resumes
+    blend = build_loader([corpus, str(other)], configs["image"], layout, 0, 3, GLOBAL_BATCH,
+                         1, 3, weights=[1, 2])
+    for _ in zip(range(3), blend):
+        pass
+    blended = blend.state_dict()
+    assert blended["data"]["weights"] != [w / sum([0.3, 0.6]) for w in [0.3, 0.6]]
+    resumed = build_loader([corpus, str(other)], configs["image"], layout, 0, 3, GLOBAL_BATCH,
+                           1, 3, weights=[0.3, 0.6], state=blended)
+    following = next(iter(blend))[1]["keys"]
+    assert following and next(iter(resumed))[1]["keys"] == following
+    with pytest.raises(LoaderError, match=r"blend weights 0.333, 0.667 then, 0.25, 0.75 now"):
+        build_loader([corpus, str(other)], configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
+                     weights=[1, 3], state=blended)
     allowed = build_loader(str(other), configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
                            state=state, allow_fingerprint_mismatch=True)
     assert (allowed.epoch, allowed.state_dict()["sample_offset"]) == (0, 6)

@@ -57,6 +57,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -79,7 +80,7 @@ from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDroppe
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.loading.sample_order import (DatasetShape, SampleOrder, TooFewSamples,
-                                             micro_batch_slice, weights_fault)
+                                             blend_quotas, micro_batch_slice, weights_fault)
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
 from mimo_data.shards.format import INDEX_FILE, ShardRecord, record_origin
@@ -316,24 +317,30 @@ class DataSource:
         # ``share_texts``: (dataset, position) -> its record and text, the last ``_capacity``
         self._texts: collections.OrderedDict[tuple[int, int], _Read] | None = None
         self._capacity = 0
-        digest = hashlib.sha256()
         # what the fingerprint is of, as a loader state keeps it to say what changed
         self.fingerprinted: dict[str, Any] = {"datasets": [], "weights": None if
                                               self.weights is None else
                                               [w / sum(self.weights) for w in self.weights]}
         for reader, shape in zip(self.readers, self.shapes):
             kept = np.packbits(shape.kept).tobytes()
-            digest.update(reader.index_digest)
-            digest.update(kept)
             self.fingerprinted["datasets"].append({
                 "directory": reader.directory, "index": reader.index_digest.hex()[:16],
                 "kept": shape.kept_count, "kept_digest": hashlib.sha256(kept).hexdigest()[:16]})
-        digest.update(json.dumps(self.fingerprinted["weights"]).encode())
-        if self.weights is not None and 0 in self.weights:
+        self.fingerprint = self.blended_fingerprint(self.fingerprinted["weights"])
+
+    def blended_fingerprint(self, shares: list[float] | None) -> str:
+        """The fingerprint of these datasets (their indexes and kept samples) blended by
+        ``shares`` (their weights' shares; None: unweighted)."""
+        digest = hashlib.sha256()
+        for reader, shape in zip(self.readers, self.shapes):
+            digest.update(reader.index_digest)
+            digest.update(np.packbits(shape.kept).tobytes())
+        digest.update(json.dumps(shares).encode())
+        if shares is not None and 0 in shares:
             # a dataset of weight 0 sized the epoch until 2026-12-06: a state saved then
             # resumes to another order, and is refused as other data
             digest.update(b"weight 0 leaves a dataset out of the epoch")
-        self.fingerprint = digest.hexdigest()
+        return digest.hexdigest()
 
     def order(self, seed: int, global_batch_size: int, remainder: str = "drop",
               block_size: int = 64, window_blocks: int = 4,
@@ -885,7 +892,8 @@ class RankLoader:
         if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
             raise LoaderError(f"not a {STATE_FORMAT} version {STATE_VERSION} state: "
                               f"{state.get('format')!r} version {state.get('version')!r}")
-        if state["fingerprint"] != self.source.fingerprint and not allow_fingerprint_mismatch:
+        if state["fingerprint"] != self.source.fingerprint and not allow_fingerprint_mismatch \
+                and not self._same_blend(state):
             changed = data_changes(state["data"], self.source.fingerprinted) \
                 if "data" in state else ""
             raise LoaderError(
@@ -940,6 +948,17 @@ class RankLoader:
         self.index = offset // self.global_micro_batch_size
         self.close()
 
+    def _same_blend(self, state: dict) -> bool:
+        """Whether ``state``'s data differs from these only in its blend weights' shares'
+        last bits (weights written [1, 2, 3] then, [0.1, 0.2, 0.3] now), which give each
+        dataset the same samples an epoch (its quota), and so the same order."""
+        then = (state.get("data") or {}).get("weights")
+        if then is None or not same_shares(then, self.source.fingerprinted["weights"]):
+            return False
+        kept = [dataset.kept_count for dataset in self.order.datasets]
+        return self.source.blended_fingerprint(then) == state["fingerprint"] and \
+            blend_quotas(then, kept) == self.order.quotas
+
     def report(self) -> dict:
         """Drops by reason, epoch length, steps and the remainder dropped or padded."""
         return {"samples": self.source.tally.to_dict(),
@@ -973,6 +992,15 @@ class RankLoader:
                 f"{'; packed' if order.packing is not None else ''}")
 
 
+def same_shares(then: list | None, now: list[float] | None) -> bool:
+    """Whether two blends' shares (a state's, these datasets') are one but for their last
+    bits (weights written [1, 2] then, [0.3, 0.6] now)."""
+    if then is None or now is None:
+        return then is now
+    return len(then) == len(now) and all(
+        isinstance(a, float) and math.isclose(a, b, rel_tol=1e-9) for a, b in zip(then, now))
+
+
 def data_changes(then: dict, now: dict) -> str:
     """What differs between two ``DataSource.fingerprinted``: datasets added or gone, a
     dataset's index (rebuilt, other shards), the samples preprocessing keeps of it, the blend
@@ -996,7 +1024,7 @@ def data_changes(then: dict, now: dict) -> str:
                                f"samples now, {old['kept']} then" if new["kept"] != old["kept"]
                                else f"{new['directory']}: preprocessing keeps other samples "
                                "than then")
-    if then["weights"] != now["weights"]:
+    if not same_shares(then["weights"], now["weights"]):
         def said(weights: list[float] | None) -> str:
             return "none (each dataset by its size)" if weights is None else \
                 listed(f"{w:.3g}" for w in weights)
