@@ -497,6 +497,17 @@ def _cosine(step: int, lr: float, min_lr: float, steps: int, warmup: int = 1) ->
                                                         (steps - warmup)))
 
 
+def _param_groups(node) -> list[dict]:
+    """Every optimizer param group nested in a loaded checkpoint."""
+    if isinstance(node, dict):
+        return [group for key, value in node.items() for group in (
+            value if key == "param_groups" and isinstance(value, list) else
+            _param_groups(value))]
+    if isinstance(node, (list, tuple)):
+        return [group for value in node for group in _param_groups(value)]
+    return []
+
+
 def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
     """The last checkpoint (step 6 of a 6-step schedule, its LR at the minimum) resumed with
     train.steps 12 and the language model's lr a third (its min_lr scaled with it): rank 0
@@ -514,15 +525,24 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
     job = train_job(ranks, tmp, "longer", CONFIG, f"checkpoint.dir={root}",
                     *[c for c in common if not c.startswith("train.steps=")], "train.steps=12",
                     "train.exit_duration_minutes=1e-8",
-                    "optimizer.modules={language: {lr: 1.0e-3}}", nproc=3).check()
+                    "optimizer.modules={language: {lr: 1.0e-3}}", "optimizer.adam_beta2=0.99",
+                    nproc=3).check()
     assert "mimo-train: train.exit_duration_minutes 1e-08 passed: stopping after step 7\n" in \
         job.stdout, job.stdout
     assert (root / "latest").read_text() == "step_0000007"
     for line in ("resumed from step 6 of a schedule of 6 steps: LR decay now spans train.steps 12 "
                  "(was 6)", "resumed from step 6: language lr now 0.001 (was 0.003)",
-                 "resumed from step 6: language min_lr now 0.0001 (was 0.0003)"):
+                 "resumed from step 6: language min_lr now 0.0001 (was 0.0003)",
+                 "resumed from step 6: image, audio, language adam_beta2 now 0.99 (was 0.95)"):
         assert f"mimo-train: {line}\n" in job.stdout, job.stdout
-    assert job.stdout.count("mimo-train: resumed from step 6") == 3, job.stdout
+    assert job.stdout.count("mimo-train: resumed from step 6") == 4, job.stdout
+    # the betas the resumed steps took, as step 7's checkpoint holds them (torch's
+    # load_state_dict would have put the checkpoint's back over the config's)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(root / "step_0000007", tmp / "longer-step7.pt")
+    saved = torch.load(tmp / "longer-step7.pt", weights_only=False)
+    betas = {tuple(group["betas"]) for group in _param_groups(saved)}
+    assert betas == {(0.9, 0.99)}, betas
     assert "the checkpoint was saved under layout" not in job.stdout      # its own layout
     assert "mimo-train: trains: every module in full\n" in job.stdout, job.stdout
     # what the run will do, said before its first step

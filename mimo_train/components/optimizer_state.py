@@ -6,7 +6,8 @@ resumes under any layout and optimizer setting (``components.checkpoint`` saves 
   kept them (with or without the distributed optimizer);
 - ``common_as``: the unsharded state (param groups, step) in the loading optimizer's form:
   distributed or plain, one optimizer or the chain a mixture of experts' experts get;
-- ``lr_bounds_as``: the saved param groups given this run's LR bounds.
+- ``lr_bounds_as``: the saved param groups given this run's LR bounds;
+- ``adam_betas_as``: the saved param groups given this run's Adam betas.
 """
 
 from __future__ import annotations
@@ -149,6 +150,23 @@ def lr_bounds_as(saved: dict, optimizer) -> None:
     for node in _dicts(saved):
         for group in node.get("param_groups") or ():
             group["max_lr"], group["min_lr"] = bounds
+
+
+def adam_betas_as(saved: dict, optimizer) -> dict:
+    """Give the param groups in ``saved`` (a module optimizer's loaded state) ``optimizer``'s
+    Adam betas, this run's ``optimizer.adam_beta1`` and ``adam_beta2``: torch's
+    ``load_state_dict`` would put the saved betas back over this run's config, silently.
+    Returns what changed, setting -> (was, now), for the start-up notes."""
+    (betas,) = {tuple(group["betas"]) for group in optimizer.param_groups}
+    changes = {}
+    for node in _dicts(saved):
+        for group in node.get("param_groups") or ():
+            for i, setting in enumerate(("adam_beta1", "adam_beta2")):
+                if "betas" in group and group["betas"][i] != betas[i]:
+                    changes[setting] = (group["betas"][i], betas[i])
+            if "betas" in group:
+                group["betas"] = betas
+    return changes
 
 
 def _dicts(node):
