@@ -85,7 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: the folder of the input file)")
     b.add_argument("--input-format", choices=("auto", "llava", "manifest", "parquet"),
                    default="auto", help="format of every input (default auto: from the "
-                   "file extension)")
+                   "file extension); llava: JSON or JSONL records, each a conversation, an "
+                   "interleaved document or a caption pair (told apart by its keys)")
     b.add_argument("--instruction", default="Transcribe the audio.",
                    help="user turn for speech-manifest records (default: "
                         "'Transcribe the audio.')")
