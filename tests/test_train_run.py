@@ -465,6 +465,12 @@ def test_resume_continues_the_exact_sample_stream(ranks, setup):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tmp, common, full = setup
+    # the run's totals, each step's added up (a resume's go on from its checkpoint's)
+    steps = train_records(full)
+    assert [(r["consumed_samples"], r["consumed_tokens"], r["consumed_sequence_tokens"])
+            for r in steps] == [
+        (4 * r["step"], sum(s["tokens"] for s in steps[:i + 1]),
+         sum(s["sequence_tokens"] for s in steps[:i + 1])) for i, r in enumerate(steps)]
     root = copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "resume")
     shutil.copy(tmp / "full.jsonl", tmp / "crashed.jsonl")
     shutil.copytree(tmp / "tb", tmp / "tb-resumed")

@@ -488,10 +488,16 @@ class Metrics:
                  layout, local_modules, wandb=None,
                  config: dict | None = None, memory: PeakMemory | None = None,
                  records: str | None = None, resumed: int = 0,
-                 checkpoint_dir: str | None = None):
+                 checkpoint_dir: str | None = None, consumed: dict[str, int] | None = None):
         """``resumed``: the step of the checkpoint this run resumed (0: a new run);
-        ``checkpoint_dir``: where the W&B run's id is kept (``wandb_run``)."""
+        ``checkpoint_dir``: where the W&B run's id is kept (``wandb_run``); ``consumed``: the
+        run's totals at that step (``consumed``), as its checkpoint holds them."""
         self.rank0 = dist.get_rank() == 0
+        # the run's totals since its first step, across resumes: samples, trained tokens and
+        # sequence tokens (the x-axes of curves: Megatron-LM's consumed samples, HF Trainer's
+        # num_input_tokens_seen); a checkpoint saved without them gives samples alone
+        self.consumed: dict[str, int] = {"samples": 0, "tokens": 0, "sequence_tokens": 0} \
+            if not resumed else dict(consumed or {})
         # each record is written as it is read, so a run that dies keeps its steps' records;
         # a resumed run adds to those of the runs before it, less the steps it trains again
         if records and self.rank0 and resumed:
@@ -613,9 +619,25 @@ class Metrics:
                               sequence_tokens_per_s=sequence / record["seconds"])
             record.update(flops_fields(dict(zip(names, flops)), record["seconds"], world,
                                        self.peak_tflops))
+        for record, p in zip(read, pending):
+            self._count(record, p.global_batch_size)
         self._keep(read)
         self.unwritten += read              # every step's, not only the logged ones'
         return read
+
+    def _count(self, record: dict, samples: int) -> None:
+        """Add a step's samples and tokens to the run's totals (a skipped step's too: its
+        samples are consumed) and write them into its record as ``consumed_<total>``; a total
+        the records cannot give (a checkpoint without it; a step without sequence tokens)
+        is left out from there on."""
+        counted = {"samples": samples, "tokens": record["tokens"],
+                   "sequence_tokens": record.get("sequence_tokens")}
+        for total, value in counted.items():
+            if total in self.consumed and value is not None:
+                self.consumed[total] += value
+            else:
+                self.consumed.pop(total, None)
+        record.update({f"consumed_{total}": value for total, value in self.consumed.items()})
 
     def publish(self) -> None:
         """The records read since the last call to TensorBoard and W&B (rank 0), in step order:

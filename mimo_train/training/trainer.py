@@ -121,6 +121,7 @@ class Trainer:
             self._init_from(cfg.model.init_from)
         self.eval_steps = self._eval_steps() if cfg.data.valid else 0
         self.step = 0
+        self.consumed: dict[str, int] | None = None     # a resumed run's totals (_resume)
         self.lora_bases: list[dict] | None = None  # a LoRA run's fixed weights: path, digest
         self.doing = "step 1"                   # what run() is doing: named if it fails
         self.stopped_by = 0                     # the exit signal that stopped the run
@@ -149,7 +150,7 @@ class Trainer:
                                cfg.train.steps, self.layout, self.infra.local, cfg.train.wandb,
                                cfg.to_dict(), memory=self.peak_memory,
                                records=records, resumed=self.step,
-                               checkpoint_dir=cfg.checkpoint.dir)
+                               checkpoint_dir=cfg.checkpoint.dir, consumed=self.consumed)
         self.metrics.peak_tflops = self.flops.peak_tflops
         self.profile = Profile(run.profile, self.rank, self.device)
 
@@ -276,6 +277,10 @@ class Trainer:
         self.step, changes = phase(
             "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
             lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
+        # the run's totals at the checkpoint (Metrics.consumed): its samples alone where it
+        # holds none (saved before they were kept)
+        self.consumed = meta.get("consumed") or {
+            "samples": self.step * self.cfg.train.global_batch_size}
         saved = (meta.get("layout"), meta.get("world_size"))
         if None not in saved and saved != (str(self.layout), self.world):   # both recorded
             say(f"{PREFIX}the checkpoint was saved under layout {saved[0]} on {saved[1]} "
@@ -745,7 +750,8 @@ class Trainer:
         it); the checkpoint's directory."""
         assert self.saver                              # run() saves only with a directory
         assert self.unsettled is None, "the schedules are saved after the step is settled"
-        directory = self.saver.save(self.step, self.training_state(), self._meta())
+        directory = self.saver.save(self.step, self.training_state(),
+                                    self._meta() | {"consumed": self.metrics.consumed})
         if self.saver.queue:
             say(f"{PREFIX}checkpoint {directory}: being written in the background")
         else:

@@ -154,3 +154,6 @@ def assert_continues(resumed: list[dict], full: list[dict], steps: list[int], lo
         assert record["tokens"] == reference["tokens"]
         assert record["loss"] == pytest.approx(reference["loss"], abs=loss)
         assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=grad_norm_rel)
+        # the run's totals go on from the checkpoint's
+        totals = ("consumed_samples", "consumed_tokens", "consumed_sequence_tokens")
+        assert {k: record[k] for k in totals} == {k: reference[k] for k in totals}, record
