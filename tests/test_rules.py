@@ -287,9 +287,15 @@ def test_a_packed_mixture_of_experts_under_tp_is_told_to_drop_packing_or_tp():
     facts, layout = Facts(4, 4, 2, experts=8), Layout.parse("language=tp2")
     assert experts_need_sequence_parallel(facts, layout, Settings(packing=True)).endswith(
         "only with sequence parallelism: use tp1, or drop data.packing (which sequence "
-        "parallelism does not run with) and set model.language.sequence_parallel=true")
+        "parallelism does not run with at cp1) and set model.language.sequence_parallel=true")
     assert experts_need_sequence_parallel(facts, layout, Settings()).endswith(
         "set model.language.sequence_parallel=true, or tp1")
+    # under context parallelism a packed row is padded to cp x tp: sequence parallelism runs
+    # with packing, so it is the fix, and the packed rule takes it
+    cp = Layout.parse("language=tp2,cp2")
+    assert experts_need_sequence_parallel(facts, cp, Settings(packing=True)).endswith(
+        "set model.language.sequence_parallel=true, or tp1")
+    assert rules.refusals(facts, cp, Settings(packing=True, sequence_parallel=True)) == []
 
 
 def test_encoders_named_to_a_layout_without_encoder_modules_say_so():

@@ -650,7 +650,8 @@ def test_the_non_colocated_step_equals_the_colocated_one(ranks, run_data, coloca
     ("cp2", 1, SAMPLES, "data.packing=false"),
     ("cp4", 2, 1, "data.packing=true model.attention=sdpa data.split_media=true"),
     ("pp2,cp2", 1, SAMPLES, "data.packing=true"),
-    ("tp2,cp2", 1, SAMPLES, "model.language.sequence_parallel=true")])
+    ("tp2,cp2", 1, SAMPLES, "model.language.sequence_parallel=true"),
+    ("tp2,cp2", 1, SAMPLES, "model.language.sequence_parallel=true data.packing=true")])
 def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_step, language,
                                                    towers, micro, how):
     """Qwen2.5-VL (Qwen2-VL: the same language model, its M-RoPE time unscaled): the language
@@ -662,8 +663,9 @@ def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_st
     in each of two pipeline stages (the four samples packed: the shard edges fall inside
     samples), and over two in each of two tensor-parallel groups with sequence parallelism
     (padded: each rank a quarter of the sequence between the TP regions), the tower (images
-    and videos) on ranks of its own: the colocated step's loss and every gradient, the tower's
-    included (its rows' gradient summed over the context-parallel ranks)."""
+    and videos) on ranks of its own, padded or packed (a packed row padded to cp x tp, its
+    last sample's bounds taking the padding): the colocated step's loss and every gradient,
+    the tower's included (its rows' gradient summed over the context-parallel ranks)."""
     if run_data["name"] != "qwen2.5-vl":
         return
     reference, init = colocated_step

@@ -237,10 +237,11 @@ def sequence_parallel_needs_tp(facts: Facts, layout: Layout, settings: Settings)
 
 @rule
 def sequence_parallel_unpacked(facts: Facts, layout: Layout, settings: Settings) -> str | None:
-    if settings.sequence_parallel and settings.packing:
+    if settings.sequence_parallel and settings.packing and layout.language.cp < 2:
         return ("model.language.sequence_parallel with data.packing: a packed micro-batch's "
                 "rows are not padded to a multiple of the TP size, which sequence parallelism "
-                "splits them by; drop one of the two")
+                "splits them by (they are under context parallelism, language cp2 or more); "
+                "drop one of the two")
     return None
 
 
@@ -280,8 +281,9 @@ def experts_need_sequence_parallel(facts: Facts, layout: Layout, settings: Setti
                                    ) -> str | None:
     tp = layout.language.tp
     if facts.experts and tp > 1 and not settings.sequence_parallel:
-        fix = ("use tp1, or drop data.packing (which sequence parallelism does not run with) "
-               "and set model.language.sequence_parallel=true" if settings.packing else
+        fix = ("use tp1, or drop data.packing (which sequence parallelism does not run with "
+               "at cp1) and set model.language.sequence_parallel=true"
+               if settings.packing and layout.language.cp < 2 else
                "set model.language.sequence_parallel=true, or tp1")
         return (f"the language model is a mixture of experts, which megatron-core trains under "
                 f"tensor parallelism (the layout's language tp{tp}) only with sequence "
