@@ -1245,7 +1245,8 @@ def test_plan_text_summary(capsys, clean, configs, single_image):
                                          ("1", "language", "0/1", "0/1", "1/2", "0/1")]
     mean = float(re.search(r"^\s+0\s+language.*?\s(\d+\.\d)\s+\d+\s+\d+\.\d", out,
                            re.M).group(1))
-    assert out.count(f"(holds 1/2 of each sequence: ~{mean / 2:.1f} tokens/step)") == 2
+    assert out.count(f"(holds 1/2 of each sequence: ~{mean / 2:.1f} tokens/step; the row's "
+                     "figures are its DP rank's, once for its cp ranks)") == 2
     # an encoder module no sample feeds: its idle line after the checks (its modality once,
     # over its two ranks)
     code, out, _ = run(capsys, "plan", single_image, "--config", configs["fixed"], "--layout",

@@ -268,7 +268,8 @@ def format_plan(result: dict, plan: dict) -> str:
         cp = row["cp_size"]
         if cp > 1:              # its DP rank's tokens; it holds a contiguous 1/cp of each row
             unit += (f" (holds 1/{cp} of each sequence: ~"
-                     f"{row['tokens_per_step_mean'] / cp:.1f} tokens/step)")
+                     f"{row['tokens_per_step_mean'] / cp:.1f} tokens/step; the row's figures "
+                     "are its DP rank's, once for its cp ranks)")
         lines.append(f"{row['rank']:4d}  {row['module']:10s} "
                      f"{row['dp_rank']:>2d}/{row['dp_size']:<2d} {row['pp_rank']:>2d}/"
                      f"{row['pp_size']:<2d} {row['cp_rank']:>2d}/{cp:<2d} "
