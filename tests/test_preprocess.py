@@ -319,6 +319,25 @@ def test_a_conversation_opening_with_a_greeting_trains_it_not_the_system_prompt(
         .endswith("<|im_start|>assistant\n"), text
 
 
+def test_a_greeting_first_trains_it_with_a_template_that_fails_on_no_turns(records, plain):
+    """Qwen3-VL's template reads ``messages[0]``, so the render of no turns (the generation
+    prompt before an opening answer) fails; the greeting is trained from its own generation
+    prompt, as transformers renders the conversation (it was dropped as template_error)."""
+    template = json.loads((REPO / "tools" / "published" / "Qwen--Qwen3-VL-2B-Instruct" /
+                           "chat_template.json").read_text())["chat_template"]
+    preprocessor = Preprocessor(config(chat_template=template), with_media=False)
+    record = next(r for r in records if not r["media"])
+    greeting = {"role": "assistant", "content": "Hello! How can I help?"}
+    encoded = preprocessor(dict(record, messages=[greeting, *record["messages"]]))
+    alone = preprocessor(record)
+    tokenizer = preprocessor.text.tokenizer
+    trained = tokenizer.decode(encoded.labels[encoded.loss_mask.bool()])
+    assert trained == "Hello! How can I help?<|im_end|>" + tokenizer.decode(
+        alone.labels[alone.loss_mask.bool()]), trained
+    assert tokenizer.decode(encoded.input_ids).startswith(
+        "<|im_start|>assistant\nHello! How can I help?<|im_end|>\n")
+
+
 @pytest.mark.parametrize("fmt, reason", [("jpeg", "corrupt_image"), ("wav", "corrupt_audio")])
 def test_corrupt_media_is_dropped_and_counted(dataset, records, with_media, fmt, reason):
     """A WAV cut after the build decodes fewer frames than its metadata counted tokens for."""

@@ -407,7 +407,8 @@ class ChatRenderer:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._render(messages[:i], generation_prompt=True, tools=tools)
+            before = (self._render(messages[:i], generation_prompt=True, tools=tools) if i
+                      else self._opening_prompt(message, tools))
             after = text if i == len(messages) - 1 else self._render(messages[:i + 1],
                                                                      tools=tools)
             if i == 0 and not after.startswith(before):
@@ -438,6 +439,20 @@ class ChatRenderer:
                                     "turn)" if first else _rewritten(before, after, text)))
             spans.append((len(before), len(after)))
         return spans
+
+    def _opening_prompt(self, message, tools) -> str:
+        """The generation prompt before a conversation's opening answer: the template's render
+        of no turns, or, for a template that fails on none (Qwen3-VL's reads
+        ``messages[0]``), what it writes before the answer where that ends with its
+        generation prompt; else the template's error."""
+        try:
+            return self._render([], generation_prompt=True, tools=tools)
+        except TextError:
+            prefix = (self._opening_prefix(message, self.generation_prompt, tools)
+                      if self.generation_prompt else None)
+            if prefix is None:
+                raise
+            return prefix
 
     def _opening_prefix(self, message, prompt: str, tools) -> str | None:
         """What a conversation that opens with an assistant turn (a greeting) renders before
