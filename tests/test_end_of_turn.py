@@ -186,6 +186,24 @@ def test_the_first_token_after_the_generation_prompt_is_trained(tokenizer, answe
         assert mask[len(prompt)] and not mask[len(prompt) - 1]
 
 
+@pytest.mark.parametrize("answer", ["    return x", "Roses\nare red.\n"])
+def test_an_answers_own_whitespace_stays_in_typed_parts(answer):
+    """llava-interleave's template takes typed parts: an answer with no marker beside it
+    keeps its indentation and its last newline, as transformers renders the typed part (mimo
+    stripped every part)."""
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(LLAVA_INTERLEAVE)
+    turns = [("user", "Show me."), ("assistant", answer)]
+    typed = [{"role": role, "content": [{"type": "text", "text": text}]} for role, text in turns]
+    encoded = _encoder(LLAVA_INTERLEAVE, modalities={}).encode(_messages(turns), [])
+    reference = processor.apply_chat_template(typed, tokenize=True)
+    reference = reference["input_ids"] if isinstance(reference, dict) else reference
+    reference = reference[0] if isinstance(reference[0], list) else reference
+    assert encoded.ids.tolist() == reference
+    trained = processor.tokenizer.decode(encoded.ids[encoded.loss_mask.astype(bool)])
+    assert answer.strip() in trained, trained
+
+
 # -------------------------------------------------------- templates that end their turns
 
 @pytest.mark.parametrize("tokenizer", [SMOLLM2, QWEN2_VL], ids=["smollm2", "qwen2-vl"])

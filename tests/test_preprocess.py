@@ -546,19 +546,18 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
     from mimo_data.preprocess.chat_render import _rewritten
     assert "rendered with the generation prompt, end '<think>\\n', followed by it ''" in \
         _rewritten("<u>hi</u><a>\n<think>\n", "<u>hi</u><a>\n", "<u>hi</u><a>\n<u>x</u>")
-    # a template that writes no answer at all: said so, not to add generation blocks
+    # a template that writes no answer at all: refused at start-up (not left to drop every
+    # sample), said so, not to add generation blocks
     silent = ("{% for m in messages %}{% if m['role'] != 'assistant' %}<|im_start|>"
               "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    with pytest.raises(SampleDropped, match=r"the chat template does not write turn \d+'s "
-                       r"answer at all \(it leaves the assistant's turns out\?\)") as dropped:
-        Preprocessor(config(chat_template=silent), with_media=False)(record)
-    assert dropped.value.reason == "template_mismatch"
+    with pytest.raises(ConfigError, match=r"the configured chat_template writes no answer"):
+        Preprocessor(config(chat_template=silent), with_media=False)
     # one that writes no answer but an end token after the last turn: the same
     ending = silent.replace("{% if add_generation_prompt %}", "{% if messages[-1]['role'] == "
                             "'assistant' %}</s>{% endif %}{% if add_generation_prompt %}")
-    with pytest.raises(SampleDropped, match=r"does not write turn \d+'s answer at all"):
-        Preprocessor(config(chat_template=ending), with_media=False)(record)
+    with pytest.raises(ConfigError, match=r"the configured chat_template writes no answer"):
+        Preprocessor(config(chat_template=ending), with_media=False)
     # one that writes an earlier answer otherwise (its reasoning left out, as Qwen3's does):
     # not said to write none
     hiding = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == "
@@ -616,6 +615,11 @@ def test_template_that_writes_answers_without_their_content_is_refused_at_start(
             "other text")):
         Preprocessor(config(chat_template=turn.replace("ANSWER", "\"{{ m['content'] }}\"")),
                      with_media=False)
+    # a template that writes no assistant turn at all (the first message's content alone):
+    # refused as writing no answer, not left to drop every sample as not ending its turn
+    with pytest.raises(ConfigError, match=r"the configured chat_template writes no answer \(a "
+                       r"stand-in answer .* is not in its render of a conversation\)"):
+        Preprocessor(config(chat_template="{{ messages[0]['content'] }}"), with_media=False)
     # a template that refuses one of the two stand-in conversations (a system turn; or none):
     # the other one still tells
     for refuses in ("messages[0]['role'] == 'system'", "messages[0]['role'] != 'system'"):

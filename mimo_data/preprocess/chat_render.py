@@ -240,6 +240,14 @@ class ChatRenderer:
         return probe not in (self._probe(probe) or "") and \
             probe in (self._probe([{"type": "text", "text": probe}]) or "")
 
+    def _writes_no_answer(self, probe: list[dict]) -> bool:
+        """Whether the template renders ``probe`` without its stand-in answer (False where it
+        fails on it: no evidence)."""
+        try:
+            return _ANSWER_PROBE not in self._render(probe)
+        except TextError:
+            return False
+
     def _plain_roles(self) -> frozenset[str]:
         """The roles a template of typed user contents writes a plain string content of (one
         that iterates a user's parts but writes ``message['content']`` of an answer, which
@@ -263,6 +271,15 @@ class ChatRenderer:
             try:
                 text, spans = self.render(probe)
             except TextError:
+                if self._writes_no_answer(probe):
+                    raise ConfigError(
+                        ("the configured chat_template" if self.config.chat_template else
+                         f"tokenizer {self.config.tokenizer!r}'s chat template") +
+                        f" writes no answer (a stand-in answer {_ANSWER_PROBE!r} is not in its "
+                        "render of a conversation): nothing of any sample could be trained; "
+                        "give a chat_template that writes the assistant's turns" +
+                        (", or leave chat_template out to use the tokenizer's own"
+                         if self.config.chat_template else "")) from None
                 continue
             trained = [text[span.start:span.end] for span in spans]
             written = [piece for piece in trained if _ANSWER_PROBE in piece]
@@ -614,13 +631,21 @@ _MODALITY_OF = {marker: modality for modality, marker in MARKERS.items()}
 def typed_parts(content: str) -> list[dict]:
     """A content as typed parts, in its order: ``{"type": modality}`` per marker and
     ``{"type": "text", "text": ...}`` for the text between markers, stripped of the whitespace
-    around it (an image marker, a newline and a question: an image, then the question)."""
+    next to a marker (an image marker, a newline and a question: an image, then the
+    question); text with no marker beside it stays as written (an answer's indentation, its
+    last newline)."""
+    pieces = _MARKER_SPLIT.split(content)
     parts: list[dict] = []
-    for piece in _MARKER_SPLIT.split(content):
+    for k, piece in enumerate(pieces):
         if piece in _MODALITY_OF:
             parts.append({"type": _MODALITY_OF[piece]})
-        elif piece.strip():
-            parts.append({"type": "text", "text": piece.strip()})
+            continue
+        if k > 0:                                   # a marker before it
+            piece = piece.lstrip()
+        if k + 1 < len(pieces):                     # a marker after it
+            piece = piece.rstrip()
+        if piece.strip():
+            parts.append({"type": "text", "text": piece})
     return parts
 
 
