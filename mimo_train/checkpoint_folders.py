@@ -48,8 +48,9 @@ def step_dir(root: str, step: int) -> str:
 
 
 def latest(root: str | None) -> str | None:
-    """The checkpoint directory ``root/latest`` names, or None; CheckpointError where
-    ``latest`` is empty, a folder, cannot be read or names a folder outside ``root``."""
+    """The checkpoint directory ``root/latest`` names, or None; CheckpointError (a damaged
+    checkpoint.dir: exit status 1, as a ``latest`` naming no folder is) where ``latest`` is
+    empty, a folder, cannot be read or names a folder outside ``root``."""
     if not root:
         return None
     path = os.path.join(root, LATEST)
@@ -61,16 +62,17 @@ def latest(root: str | None) -> str | None:
     except (OSError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} cannot be read ({error}): it names the checkpoint to "
                               f"resume; write the step's folder name into it (echo "
-                              f"step_NNNNNNN > {path})") from None
+                              f"step_NNNNNNN > {path})", damaged=True) from None
     if not name:
         raise CheckpointError(f"{path} holds {name!r}, no step's folder name: write the step to "
-                              f"resume into it (echo step_NNNNNNN > {path})")
+                              f"resume into it (echo step_NNNNNNN > {path})", damaged=True)
     found = os.path.normpath(os.path.join(root, name))
     if os.path.realpath(os.path.dirname(found)) != os.path.realpath(root):
         raise CheckpointError(f"{path} names {name}, not a folder of checkpoint.dir {root}: a "
                               "resume continues its own folder's steps (echo step_NNNNNNN > "
                               f"{path}); to start from another run's checkpoint, give "
-                              f"model.init_from={found} and a checkpoint.dir of its own")
+                              f"model.init_from={found} and a checkpoint.dir of its own",
+                              damaged=True)
     return os.path.join(root, name)
 
 

@@ -1809,7 +1809,8 @@ def test_latest_naming_a_folder_outside_the_checkpoint_dir_is_refused(tmp_path):
     """``latest`` holds a step folder of its own checkpoint.dir (by name, or by a path into it):
     one naming another run's step (``/other/run/step_N``, ``../other/step_N``) would resume
     that run's checkpoint while mimo-inspect lists it as this folder's; refused, naming
-    model.init_from for a branch."""
+    model.init_from for a branch, with the exit status of a damaged checkpoint (1), as an empty
+    one is."""
     from mimo_train.checkpoint_folders import latest, resume_point
     from mimo_train.errors import CheckpointError
 
@@ -1827,6 +1828,12 @@ def test_latest_naming_a_folder_outside_the_checkpoint_dir_is_refused(tmp_path):
         with pytest.raises(CheckpointError, match="not a folder of checkpoint.dir") as refused:
             latest(str(run))
         assert f"model.init_from={other / 'step_0000004'}" in str(refused.value)
+        assert refused.value.exit_code == 1         # a damaged latest, as one naming nothing
+    for text in ("", "\n"):                    # an empty latest: the same exit status
+        (run / "latest").write_text(text)
+        with pytest.raises(CheckpointError, match="no step's folder name") as refused:
+            latest(str(run))
+        assert refused.value.exit_code == 1
 
 
 def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):
