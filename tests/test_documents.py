@@ -473,7 +473,8 @@ def test_an_mmc4_record_not_of_its_form_is_skipped_saying_which_part(tmp_path):
         1: "MMC4's 'text_list' is a string, not a list of sentences",
         2: "MMC4 sentence 1 is a null, not a string",
         3: "MMC4's 'image_info' is an object, not a list of images",
-        4: "MMC4 image 0 has no 'image_name' (its file's name)",
+        4: "MMC4 image 0 has no 'image_name' (its file's name) and no 'image_base64' (its "
+           "bytes)",
         5: "MMC4 image 0 (chelsea.jpg) has matched_text_index -1, not the index of one of its "
            "2 sentences",
         6: "MMC4 image 0 (chelsea.jpg) has matched_text_index True, not the index of one of "
@@ -485,6 +486,9 @@ def test_an_mmc4_record_not_of_its_form_is_skipped_saying_which_part(tmp_path):
                        r"\['<image>'\]") as refused:
         mmc4_document(["Plain.", "Has <image> typed.", "End."], [image, image])
     assert refused.value.reason == "marker_mismatch"
+    # an image embedded with no file's name: its bytes alone are the image
+    assert mmc4_document(["A cat."], [{"image_base64": "aGk=", "matched_text_index": 0}]) == (
+        [None, "A cat."], [{"bytes": "aGk=", "path": None}, None])
     # MMC4 as a Parquet table (its text_list and image_info columns): said as MMC4, with the
     # way to its JSONL (not a --texts-column that reads no row)
     from mimo_data.shards.sources import SourceError

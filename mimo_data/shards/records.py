@@ -660,17 +660,17 @@ def mmc4_document(text_list, image_info) -> tuple[list, list]:
     before: list[list] = [[] for _ in text_list]
     for j, info in enumerate(image_info):
         name = info.get("image_name") if isinstance(info, dict) else None
-        if not isinstance(name, str) or not name:
+        embedded = info.get("image_base64") if isinstance(info, dict) else None
+        if not (isinstance(name, str) and name) and not embedded:
             raise RecordError("malformed_record", f"MMC4 image {j} has no 'image_name' (its "
-                              "file's name)")
+                              "file's name) and no 'image_base64' (its bytes)")
         index = info.get("matched_text_index")
         if not isinstance(index, int) or isinstance(index, bool) or \
                 not 0 <= index < len(text_list):
-            raise RecordError("malformed_record", f"MMC4 image {j} ({name}) has "
-                              f"matched_text_index {index!r}, not the index of one of its "
-                              f"{len(text_list)} sentences")
-        embedded = info.get("image_base64")
-        before[index].append({"bytes": embedded, "path": name} if embedded else name)
+            raise RecordError("malformed_record", f"MMC4 image {j}" + (
+                f" ({name})" if name else "") + f" has matched_text_index {index!r}, not the "
+                f"index of one of its {len(text_list)} sentences")
+        before[index].append({"bytes": embedded, "path": name or None} if embedded else name)
     # MMC4's text_list holds a document's sentences (not paragraphs): joined by a space, as
     # OpenFlamingo joins them, not a trained newline after each
     texts: list = []
