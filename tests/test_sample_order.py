@@ -121,6 +121,17 @@ def test_a_dataset_of_weight_0_is_left_out_of_the_epoch():
 def test_bad_weights_are_refused():
     with pytest.raises(OrderError, match="a finite number >= 0"):
         SampleOrder([shape(4), shape(4)], 0, 1, weights=[float("inf"), 1])
+    # a library caller's strings or booleans, and finite weights whose sum is not: the same
+    # refusal (a TypeError, a NaN share), numpy's numbers taken
+    for weights in (["1", "2"], [True, 1], [1e308, 1e308]):
+        with pytest.raises(OrderError, match=re.escape(f"blend weights {weights}: each a share")):
+            SampleOrder([shape(4), shape(4)], 0, 1, weights=weights)
+    assert SampleOrder([shape(4), shape(4)], 0, 1, weights=[np.int64(1), np.float32(3)]
+                       ).quotas == [2, 6]
+    # a single dataset keeping nothing: its data or config to fix (weight 0 would leave none)
+    with pytest.raises(OrderError, match=r"^dataset 0 has weight 1 but preprocessing keeps none "
+                       r"of its samples: fix its data/config \(mimo-inspect report"):
+        SampleOrder([shape(4, dropped=range(4))], 0, 1, weights=[1])
     # the weighted one keeping nothing, beside one of weight 0: said as that, not as an
     # epoch too short for a global batch
     with pytest.raises(OrderError, match="^dataset 0 has weight 1 but preprocessing keeps none"):

@@ -893,7 +893,7 @@ class RankLoader:
             raise LoaderError(f"not a {STATE_FORMAT} version {STATE_VERSION} state: "
                               f"{state.get('format')!r} version {state.get('version')!r}")
         if state["fingerprint"] != self.source.fingerprint and not allow_fingerprint_mismatch \
-                and not self._same_blend(state):
+                and not _same_blend(self.source, self.order, state):
             changed = data_changes(state["data"], self.source.fingerprinted) \
                 if "data" in state else ""
             raise LoaderError(
@@ -948,17 +948,6 @@ class RankLoader:
         self.index = offset // self.global_micro_batch_size
         self.close()
 
-    def _same_blend(self, state: dict) -> bool:
-        """Whether ``state``'s data differs from these only in its blend weights' shares'
-        last bits (weights written [1, 2, 3] then, [0.1, 0.2, 0.3] now), which give each
-        dataset the same samples an epoch (its quota), and so the same order."""
-        then = (state.get("data") or {}).get("weights")
-        if then is None or not same_shares(then, self.source.fingerprinted["weights"]):
-            return False
-        kept = [dataset.kept_count for dataset in self.order.datasets]
-        return self.source.blended_fingerprint(then) == state["fingerprint"] and \
-            blend_quotas(then, kept) == self.order.quotas
-
     def report(self) -> dict:
         """Drops by reason, epoch length, steps and the remainder dropped or padded."""
         return {"samples": self.source.tally.to_dict(),
@@ -990,6 +979,18 @@ class RankLoader:
         return (f"{self.source.tally.summary()}{built}{blend}; {self.steps_per_epoch} step(s) "
                 f"an epoch{left}{'; token-balanced' if order.arrangement is not None else ''}"
                 f"{'; packed' if order.packing is not None else ''}")
+
+
+def _same_blend(source: DataSource, order: SampleOrder, state: dict) -> bool:
+    """Whether ``state``'s data differs from ``source``'s only in its blend weights' shares'
+    last bits (weights written [1, 2, 3] then, [0.1, 0.2, 0.3] now), which give each dataset
+    the same samples an epoch (its quota in ``order``), and so the same order."""
+    then = (state.get("data") or {}).get("weights")
+    if then is None or not same_shares(then, source.fingerprinted["weights"]):
+        return False
+    kept = [dataset.kept_count for dataset in order.datasets]
+    return source.blended_fingerprint(then) == state["fingerprint"] and \
+        blend_quotas(then, kept) == order.quotas
 
 
 def same_shares(then: list | None, now: list[float] | None) -> bool:

@@ -42,6 +42,7 @@ an upgrade.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -145,14 +146,19 @@ class SampleOrder:
         self.packing = packing
         self.costs = costs
         kept = [d.kept_count for d in self.datasets]
+        fault = None if weights is None else weights_fault(weights, len(kept))
+        if fault is not None:
+            raise OrderError(fault)
         self.epoch_length = _drawn_from(weights, kept)
         self.quotas = kept if weights is None else blend_quotas(weights, kept)
         for i, count in enumerate(kept):
             name = names[i] if names else f"dataset {i}"
             if weights is not None and weights[i] > 0 and not count:
                 raise OrderError(f"{name} has weight {weights[i]} but preprocessing "
-                                 "keeps none of its samples: give it weight 0 or fix its "
-                                 "data/config")
+                                 "keeps none of its samples: " + (
+                                     "give it weight 0 or fix its data/config"
+                                     if len(kept) > 1 else "fix its data/config") +
+                                 " (mimo-inspect report says why each was dropped)")
             if weights is None and not count and len(kept) > 1:     # a mix trained without it
                 raise OrderError(f"{name}: preprocessing keeps none of its samples "
                                  f"({len(self.datasets[i].kept)} read), so the mix would go "
@@ -291,9 +297,10 @@ def weights_fault(weights: Sequence[float], datasets: int) -> str | None:
     training config, the loader and the sample order each enforce."""
     if len(weights) != datasets:
         return f"{len(weights)} blend weights for {datasets} datasets: give one per dataset"
-    if not all(math.isfinite(w) and w >= 0 for w in weights) or not sum(weights) > 0:
+    if not all(isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w)
+               and w >= 0 for w in weights) or not 0 < sum(weights) < math.inf:
         return (f"blend weights {list(weights)}: each a share of the samples, a finite number "
-                ">= 0, and not all 0")
+                ">= 0, and not all 0 (their sum finite too)")
     return None
 
 
