@@ -639,6 +639,52 @@ def test_a_system_turn_one_path_and_a_long_prompt_are_taken_as_said(generator, a
         "(max_position_embeddings), outside what its architecture was made for\n")
 
 
+def test_a_history_goes_before_the_prompt_as_transformers_renders_it(generator, smollm2,
+                                                                    assets, tmp_path, capsys):
+    """``history`` (``--history``): the turns before the prompt, in ShareGPT's form too (a
+    training record given whole), rendered as transformers' template renders the
+    conversation; a marker in it takes the first file; refused: a history ending with no
+    answer, a second system turn, a file that is no JSON list of turns."""
+    from mimo_train.errors import GenerateError
+    from mimo_train.hf.generate import main
+    turns = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "Paris."}]
+    ids = generator.tokenizer.apply_chat_template(
+        [*turns, {"role": "user", "content": "And of Italy?"}], add_generation_prompt=True,
+        tokenize=True, return_dict=False)
+    shared = [{"from": "human", "value": turns[0]["content"]},
+              {"from": "gpt", "value": turns[1]["content"]}]
+    said = generator.generate("And of Italy?", history=shared, max_new_tokens=3)
+    assert said.prompt_ids == list(ids)
+    # the image marked in the history is its first turn's (the prompt marks none)
+    image_id = generator.manifest["modality_tokens"]["image"]["id"]
+    seen = generator.generate("And now?", images=[str(assets["jpeg"])], max_new_tokens=1,
+                              history=[{"role": "user", "content": "<image>\nWhat is it?"},
+                                       {"role": "assistant", "content": "A cat."}])
+    first = seen.prompt_ids.index(image_id)
+    answer = generator.tokenizer.encode("A cat.", add_special_tokens=False)
+    assert seen.spliced == {"image": IMAGE_TOKENS} and first < next(
+        i for i in range(len(seen.prompt_ids)) if seen.prompt_ids[i:i + len(answer)] == answer)
+    for history, refused in (
+            (turns[:1], "the history ends with a user turn"),
+            ([{"role": "system", "content": "Be brief."}, *turns], "the history's system turn "
+             "and --system both give one")):
+        with pytest.raises(GenerateError, match=refused):
+            generator.generate("Hi", history=history, system="You answer in French.")
+    # the command line: a record as training holds it, its answer then generated
+    (tmp_path / "record.json").write_text(json.dumps({"id": "r1", "conversations": shared}))
+    capsys.readouterr()
+    assert main(["--model", str(smollm2.export), "--prompt", "And of Italy?", "--history",
+                 str(tmp_path / "record.json"), "--max-new-tokens", "3", "--device",
+                 "cpu"]) == 0
+    assert capsys.readouterr().out == said.text + "\n"
+    (tmp_path / "none.json").write_text('{"id": "r1"}')
+    with pytest.raises(SystemExit) as usage:
+        main(["--model", str(smollm2.export), "--prompt", "Hi", "--history",
+              str(tmp_path / "none.json")])
+    assert usage.value.code == 2 and "holds no turns" in capsys.readouterr().err
+
+
 def test_audio_fills_its_placeholders(generator, assets):
     audio_id = generator.manifest["modality_tokens"]["audio"]["id"]
     result = generator.generate("Transcribe the audio.", audios=[str(assets["wav"])],

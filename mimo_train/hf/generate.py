@@ -36,7 +36,7 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mimo_data.arguments import SEED, Parser, user_path
 from mimo_data.hub import cache_only
@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--system", metavar="TEXT",
                         help="a system turn before the prompt, as the model's chat template "
                         "renders one (a model fine-tuned with a system prompt: the same text)")
+    parser.add_argument("--history", type=user_path, metavar="FILE",
+                        help="the conversation before the prompt, for a multi-turn answer: a "
+                        "JSON list of turns (role/content or ShareGPT's from/value, as "
+                        "training's records hold them), or a record holding them "
+                        "(messages or conversations); its markers take the files first, in "
+                        "order, and it ends with an answer (the prompt is the next user turn)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                         help="most tokens to generate (default 64)")
     parser.add_argument("--temperature", type=float, metavar="T",
@@ -166,6 +172,7 @@ def main(argv=None) -> int:
             parser.error(_NO_FRAMES)
     if args.prompt_file is not None:
         args.prompt = _prompt_of(args.prompt_file, parser)
+    history = _history_of(args.history, parser) if args.history is not None else []
     try:
         console.quiet_third_party()     # imports torch: a Ctrl-C there is one line too
         generator = Generator(args.model, args.device, args.dtype, base=args.base)
@@ -176,7 +183,8 @@ def main(argv=None) -> int:
                                     top_p=1.0 if args.top_p is None else args.top_p,
                                     top_k=args.top_k or 0,
                                     seed=args.seed or 0, thinking=not args.no_thinking,
-                                    frames_fps=args.frames_fps, system=args.system)
+                                    frames_fps=args.frames_fps, system=args.system,
+                                    history=history)
     except GenerateError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
@@ -320,12 +328,15 @@ class Generator:
                  max_new_tokens: int = 64, temperature: float | None = None,
                  top_p: float = 1.0, seed: int = 0, videos: Sequence[str] = (),
                  thinking: bool = True, frames_fps: float | None = None,
-                 system: str | None = None, top_k: int = 0) -> Generation:
+                 system: str | None = None, top_k: int = 0,
+                 history: Sequence[dict] = ()) -> Generation:
         """Answer ``prompt`` about the ``images``, ``videos`` and ``audios`` (file paths, or
         one path; a video a folder of frames taken ``frames_fps`` a second), after a
-        ``system`` turn where one is given; ``temperature`` samples (``top_p`` and ``top_k``,
-        0 for all tokens, with it), else decoding is greedy; ``thinking=False``: the
-        template's ``enable_thinking`` false (its default otherwise)."""
+        ``system`` turn where one is given and the turns of ``history`` (role/content or
+        from/value, ending with an answer; their markers take the files first);
+        ``temperature`` samples (``top_p`` and ``top_k``, 0 for all tokens, with it), else
+        decoding is greedy; ``thinking=False``: the template's ``enable_thinking`` false (its
+        default otherwise)."""
         import torch
         drawn = f"top_p {top_p}" if top_p != 1.0 else f"top_k {top_k}" if top_k else None
         if temperature is None and drawn:
@@ -341,17 +352,19 @@ class Generator:
         if system is not None and (typed := _MARKER.findall(system)):
             raise GenerateError(f"the system turn holds a <{typed[0]}> marker: it takes text "
                                 "alone (media go in the prompt)")
+        earlier = _history_turns(history, system)
+        said = "".join(turn["content"] for turn in earlier) + prompt
         has = ", ".join(sorted(self.encoders)) or "none"
         for modality, paths in files.items():
             if paths and modality not in self.encoders:
                 raise GenerateError(f"--{modality} given, but the model has no {modality} "
                                     f"encoder (it has {has})")
-        for modality in dict.fromkeys(_MARKER.findall(prompt)):
+        for modality in dict.fromkeys(_MARKER.findall(said)):
             if modality not in self.encoders:
                 raise GenerateError(f"the prompt's <{modality}> marker asks for {modality} "
                                     f"input, but the model has no {modality} encoder (it has "
                                     f"{has}): remove the marker")
-        content, order = _place_markers(prompt, files)
+        content, order = _place_markers(prompt, files, said[:len(said) - len(prompt)])
         if not thinking and "enable_thinking" not in (self.preprocessor.text.renderer.template
                                                       or ""):
             print("mimo-generate: --no-thinking: the model's chat template reads no "
@@ -359,7 +372,7 @@ class Generator:
                   file=sys.stderr)
         built, items = self._prompt(content, order, files,
                                     None if thinking else {"enable_thinking": False},
-                                    frames_fps, system)
+                                    frames_fps, system, earlier)
         ids = built.input_ids.to(self.device)
         self._say_longer(len(ids), max_new_tokens)
         sampling: dict[str, Any] = dict(
@@ -478,7 +491,7 @@ class Generator:
 
     def _prompt(self, content: str, order: list[str], files: dict,
                 template_options: dict | None = None, frames_fps: float | None = None,
-                system: str | None = None):
+                system: str | None = None, history: Sequence[Message] = ()):
         from mimo_data.modalities import MediaError
         from mimo_data.preprocess.chat_tokens import TextError
         from mimo_data.modalities.image import still_image, video_or_audio
@@ -520,7 +533,7 @@ class Generator:
                                     exit_code=1) from None
             seen[modality] += 1
         try:
-            turns: list[Message] = [{"role": "user", "content": content}]
+            turns: list[Message] = [*history, {"role": "user", "content": content}]
             if system is not None:
                 turns.insert(0, {"role": "system", "content": system})
             return (self.preprocessor.prompt(turns, media, template_options),
@@ -635,6 +648,23 @@ def _with_adapters(model, model_dir: str):
         return PeftModel.from_pretrained(model, model_dir)
 
 
+def _history_of(path: str, parser: argparse.ArgumentParser) -> list:
+    """The turns ``--history`` holds: a JSON list of turns, or a record's ``messages`` or
+    ``conversations``; a usage error where it is neither."""
+    try:
+        with open(path, encoding="utf-8-sig") as file:
+            found = json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        parser.error(f"--history {path}: cannot be read as JSON ({exc})")
+    turns = found.get("messages", found.get("conversations")) if isinstance(found, dict) \
+        else found
+    if not isinstance(turns, list) or not turns:
+        parser.error(f"--history {path} holds no turns: give a JSON list of turns "
+                     "(role/content or from/value), or a record holding them as messages or "
+                     "conversations")
+    return turns
+
+
 def _prompt_of(path: str, parser: argparse.ArgumentParser) -> str:
     """The prompt ``--prompt-file`` holds (standard input for ``-``), its last newline and a
     byte-order mark left out (an editor's); a usage error where it cannot be read or holds
@@ -653,13 +683,38 @@ def _prompt_of(path: str, parser: argparse.ArgumentParser) -> str:
     return text
 
 
-def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
-    """The user turn's text (a marker in front for each file of a modality the prompt does
-    not mark, in the order of ``files``) and its markers' modalities in order;
-    GenerateError if the prompt marks some of a modality's files but not as many as were
-    given (which file a marker meant would be a guess, as a partly marked record is to
-    mimo-shard build)."""
-    marked = _MARKER.findall(prompt)
+def _history_turns(history: Sequence[dict], system: str | None) -> list[Message]:
+    """The turns before the prompt as messages (``normalize_messages``: role/content or
+    ShareGPT's from/value); GenerateError where the last is no answer, they are no
+    conversation, or a system turn is given beside ``system`` or after the first turn."""
+    from mimo_data.shards.records import ROLE_ALIASES, RecordError, normalize_messages
+    if not history:
+        return []
+    last = history[-1]
+    speaker = last.get("role", last.get("from")) if isinstance(last, dict) else None
+    if ROLE_ALIASES.get(str(speaker).lower()) != "assistant":     # (said before the rest)
+        raise GenerateError(f"the history ends with a {speaker} turn: it ends with the "
+                            "assistant's answer, the prompt being the next user turn (put "
+                            "that turn's text in the prompt)")
+    try:
+        turns = normalize_messages(list(history))
+    except RecordError as error:
+        raise GenerateError(f"the history: {error.detail}") from None
+    roles = [turn["role"] for turn in turns]
+    if "system" in roles[1:] or (system is not None and roles[0] == "system"):
+        raise GenerateError("the history's system turn " + (
+            "comes after its first turn" if "system" in roles[1:] else
+            "and --system both give one: give one of them"))
+    return cast("list[Message]", turns)
+
+
+def _place_markers(prompt: str, files: dict, earlier: str = "") -> tuple[str, list[str]]:
+    """The user turn's text (a marker in front for each file of a modality neither the
+    prompt nor the turns before it, ``earlier``'s text, mark, in the order of ``files``) and
+    the markers' modalities in order, the earlier turns' first; GenerateError if they mark
+    some of a modality's files but not as many as were given (which file a marker meant
+    would be a guess, as a partly marked record is to mimo-shard build)."""
+    marked = _MARKER.findall(earlier + prompt)
     missing = {m: len(paths) - marked.count(m) for m, paths in files.items()}
     for modality, n in missing.items():
         if not files[modality] and n < 0:
@@ -672,7 +727,7 @@ def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
                 f"{len(files[modality])} --{modality} file(s): mark each (the files take the "
                 "markers in order), or none (each then goes in front of the prompt)")
     front = "".join(f"<{m}>\n" * n for m, n in missing.items())
-    return front + prompt, _MARKER.findall(front + prompt)
+    return front + prompt, _MARKER.findall(earlier + front + prompt)
 
 
 def projection_module(kind: str, state: dict):
