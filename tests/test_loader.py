@@ -410,6 +410,15 @@ def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, cor
                            1, 3, weights=[0.3, 0.6], state=blended)
     following = next(iter(blend))[1]["keys"]
     assert following and next(iter(resumed))[1]["keys"] == following
+    # a blend whose shares match but for their last bits, rounded to other quotas (a largest
+    # remainder's tie broken the other way: [5, 9] then, [0.5, 0.9] now on 1 and 20 kept
+    # samples give 8, 13 then, 7, 14 now): refused, not resumed into another order
+    rounded = dict(blended, quotas=[q + (1 if i else -1) for i, q in
+                                    enumerate(blended["quotas"])])
+    with pytest.raises(LoaderError, match=r"the loader state's blend gave its datasets .* "
+                       r"samples an epoch, these weights give"):
+        build_loader([corpus, str(other)], configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
+                     weights=[0.3, 0.6], state=rounded)
     with pytest.raises(LoaderError, match=r"blend weights 0.333, 0.667 then, 0.25, 0.75 now"):
         build_loader([corpus, str(other)], configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
                      weights=[1, 3], state=blended)

@@ -411,3 +411,40 @@ def test_wandb_gets_the_steps_in_order_with_a_spike_read_among_them(monkeypatch)
                     (3, ["train/loss"]), (4, ["train/loss"]), (4, ["eval_loss"])], sent
     logged.close()
     assert sent[6:] == []
+
+
+def test_a_checkpoint_keeps_the_totals_of_its_own_step(monkeypatch):
+    """A checkpoint saved between logging steps (log_interval 4, a save at step 2) keeps the
+    totals to its step, its steps not logged yet included; and what it keeps stays as it was
+    while an asynchronous save is written (later steps counted meanwhile). In process: rank
+    0's Metrics through the trainer's ``save``, the saver a recorder."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mimo_train.components import metrics
+    from mimo_train.training.trainer import Trainer
+
+    monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
+    layout = SimpleNamespace(modules=[SimpleNamespace(name="language")])
+    logged = metrics.Metrics(None, 4, 4, layout, [])
+
+    def step(number: int) -> metrics.StepValues:
+        readings = metrics.Readings({"sums": torch.tensor([20.0, 10.0 * number]),
+                                     "outcome": torch.zeros(2),
+                                     "flops": torch.tensor([1.0, 100.0 * number])})
+        return metrics.StepValues(number, readings, metrics.Timer(torch.device("cpu")), [], 8,
+                                  lrs={})
+
+    kept: list[dict] = []
+    trainer = SimpleNamespace(
+        saver=SimpleNamespace(save=lambda step, state, meta: kept.append(meta) or "ck",
+                              queue=object()),
+        unsettled=None, step=2, metrics=logged, training_state=lambda: None,
+        _meta=lambda: {})
+    for number in (1, 2):
+        logged.log(step(number))
+    Trainer.save(trainer)
+    assert kept[0]["consumed"] == {"samples": 16, "tokens": 30, "sequence_tokens": 300}
+    logged.consumed["samples"] += 32                   # steps counted while it is written
+    assert kept[0]["consumed"] == {"samples": 16, "tokens": 30, "sequence_tokens": 300}

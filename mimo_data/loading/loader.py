@@ -80,7 +80,7 @@ from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDroppe
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.loading.sample_order import (DatasetShape, SampleOrder, TooFewSamples,
-                                             blend_quotas, micro_batch_slice, weights_fault)
+                                             micro_batch_slice, weights_fault)
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
 from mimo_data.shards.format import INDEX_FILE, ShardRecord, record_origin
@@ -862,6 +862,7 @@ class RankLoader:
                 "step": self.step, "micro_batch": self.index % self.micro_batches_per_step,
                 "global_batch_size": self.order.global_batch_size,
                 "fingerprint": self.source.fingerprint, "data": self.source.fingerprinted,
+                "quotas": self.order.quotas,
                 "arrangement": self._arrangement,
                 "step_order": self._step_order(self.epoch, self.index *
                                                self.global_micro_batch_size)}
@@ -893,7 +894,7 @@ class RankLoader:
             raise LoaderError(f"not a {STATE_FORMAT} version {STATE_VERSION} state: "
                               f"{state.get('format')!r} version {state.get('version')!r}")
         if state["fingerprint"] != self.source.fingerprint and not allow_fingerprint_mismatch \
-                and not _same_blend(self.source, self.order, state):
+                and not _same_blend(self.source, state):
             changed = data_changes(state["data"], self.source.fingerprinted) \
                 if "data" in state else ""
             raise LoaderError(
@@ -907,6 +908,15 @@ class RankLoader:
                 "data, start a new run from them (model.init_from=CHECKPOINT, another "
                 "checkpoint.dir: a new optimizer and sample stream); mimo-train has no key "
                 "that resumes the old position in another order")
+        quotas = state.get("quotas")                 # (none in states before 2026-12-08)
+        if quotas is not None and quotas != self.order.quotas and \
+                not allow_fingerprint_mismatch:
+            raise LoaderError(
+                f"the loader state's blend gave its datasets {listed(map(str, quotas))} "
+                f"samples an epoch, these weights give {listed(map(str, self.order.quotas))} "
+                "(weights written otherwise, the same shares but for their last bits, can "
+                "round a dataset's share the other way), so the order would not continue "
+                "where it stopped: give data.weights as the run gave them")
         if state["global_batch_size"] != self.order.global_batch_size:
             raise LoaderError(f"the loader state has global batch {state['global_batch_size']}, "
                               f"this run {self.order.global_batch_size}: resuming exactly "
@@ -981,16 +991,15 @@ class RankLoader:
                 f"{'; packed' if order.packing is not None else ''}")
 
 
-def _same_blend(source: DataSource, order: SampleOrder, state: dict) -> bool:
+def _same_blend(source: DataSource, state: dict) -> bool:
     """Whether ``state``'s data differs from ``source``'s only in its blend weights' shares'
-    last bits (weights written [1, 2, 3] then, [0.1, 0.2, 0.3] now), which give each dataset
-    the same samples an epoch (its quota in ``order``), and so the same order."""
+    last bits (weights written [1, 2, 3] then, [0.1, 0.2, 0.3] now), and the state holds the
+    samples an epoch its blend gave each dataset (its quotas, which such weights can round the
+    other way: ``load_state_dict`` checks them); a state saved without them never does."""
     then = (state.get("data") or {}).get("weights")
     if then is None or not same_shares(then, source.fingerprinted["weights"]):
         return False
-    kept = [dataset.kept_count for dataset in order.datasets]
-    return source.blended_fingerprint(then) == state["fingerprint"] and \
-        blend_quotas(then, kept) == order.quotas
+    return source.blended_fingerprint(then) == state["fingerprint"] and "quotas" in state
 
 
 def same_shares(then: list | None, now: list[float] | None) -> bool:

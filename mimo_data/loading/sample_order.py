@@ -150,7 +150,7 @@ class SampleOrder:
         if fault is not None:
             raise OrderError(fault)
         self.epoch_length = _drawn_from(weights, kept)
-        self.quotas = kept if weights is None else blend_quotas(weights, kept)
+        self.quotas = kept if weights is None else _quotas(weights, kept)
         for i, count in enumerate(kept):
             name = names[i] if names else f"dataset {i}"
             if weights is not None and weights[i] > 0 and not count:
@@ -304,7 +304,7 @@ def weights_fault(weights: Sequence[float], datasets: int) -> str | None:
     return None
 
 
-def blend_quotas(weights: list[float], kept: list[int]) -> list[int]:
+def _quotas(weights: list[float], kept: list[int]) -> list[int]:
     """Samples per dataset per epoch: each weight's share of the epoch's samples
     (``_drawn_from``), largest remainder."""
     fault = weights_fault(weights, len(kept))

@@ -479,6 +479,18 @@ def _holds_events(folder: str) -> bool:
         name.startswith("events.out.tfevents.") for name in os.listdir(folder))
 
 
+def _add(totals: dict[str, int], samples: int, tokens: int, sequence: int | None) -> None:
+    """Add a step's samples and tokens to a run's ``totals`` (a skipped step's too: its
+    samples are consumed); a total the records cannot give (a checkpoint without it; a step
+    without sequence tokens) is left out from there on."""
+    counted = {"samples": samples, "tokens": tokens, "sequence_tokens": sequence}
+    for total, value in counted.items():
+        if total in totals and value is not None:
+            totals[total] += value
+        else:
+            totals.pop(total, None)
+
+
 class Metrics:
     """Keeps the run's records; ``log`` takes a step's ``StepValues`` (read at logging steps,
     collectively: every rank calls ``log`` and ``close`` alike) or an evaluation record, prints
@@ -620,24 +632,26 @@ class Metrics:
             record.update(flops_fields(dict(zip(names, flops)), record["seconds"], world,
                                        self.peak_tflops))
         for record, p in zip(read, pending):
-            self._count(record, p.global_batch_size)
+            _add(self.consumed, p.global_batch_size, record["tokens"],
+                 record.get("sequence_tokens"))
+            record.update({f"consumed_{total}": value
+                           for total, value in self.consumed.items()})
         self._keep(read)
         self.unwritten += read              # every step's, not only the logged ones'
         return read
 
-    def _count(self, record: dict, samples: int) -> None:
-        """Add a step's samples and tokens to the run's totals (a skipped step's too: its
-        samples are consumed) and write them into its record as ``consumed_<total>``; a total
-        the records cannot give (a checkpoint without it; a step without sequence tokens)
-        is left out from there on."""
-        counted = {"samples": samples, "tokens": record["tokens"],
-                   "sequence_tokens": record.get("sequence_tokens")}
-        for total, value in counted.items():
-            if total in self.consumed and value is not None:
-                self.consumed[total] += value
-            else:
-                self.consumed.pop(total, None)
-        record.update({f"consumed_{total}": value for total, value in self.consumed.items()})
+    def totals(self) -> dict[str, int]:
+        """The run's totals to its last settled step, those of the steps not logged yet
+        included (their readings are read: the device has run them), for a checkpoint's
+        ``consumed``: a copy, which later steps leave as it is."""
+        totals = dict(self.consumed)
+        names = len(self.layout.modules)
+        for p in self.pending:
+            reading = p.readings.read()
+            flops = reading["flops"]
+            _add(totals, p.global_batch_size, int(reading["sums"][1]),
+                 int(flops[names]) if len(flops) > names else None)
+        return totals
 
     def publish(self) -> None:
         """The records read since the last call to TensorBoard and W&B (rank 0), in step order:

@@ -751,7 +751,7 @@ class Trainer:
         assert self.saver                              # run() saves only with a directory
         assert self.unsettled is None, "the schedules are saved after the step is settled"
         directory = self.saver.save(self.step, self.training_state(),
-                                    self._meta() | {"consumed": self.metrics.consumed})
+                                    self._meta() | {"consumed": self.metrics.totals()})
         if self.saver.queue:
             say(f"{PREFIX}checkpoint {directory}: being written in the background")
         else:
