@@ -38,8 +38,10 @@ class Parser(argparse.ArgumentParser):
         typos = [word for word in (word.split("=")[0] for word in getattr(self, "words", []))
                  if word.startswith("--") and word != "--" and word not in known and not (
                      self.allow_abbrev and any(option.startswith(word) for option in known))]
-        close = difflib.get_close_matches(typos[0], known, n=1) if typos else []
-        guess = f" (did you mean {close[0]}?)" if close else ""
+        guesses = [f"{typo} -> {close[0]}" for typo in typos
+                   if (close := difflib.get_close_matches(typo, known, n=1))]
+        guess = (f" (did you mean {guesses[0].partition(' -> ')[2]}?)" if len(typos) == 1
+                 else f" (did you mean {', '.join(guesses)}?)") if guesses else ""
         if typos and message.startswith("the following arguments are required"):
             message = f"unrecognized arguments: {' '.join(typos)}{guess}; {message}"
         elif typos and message.startswith("unrecognized arguments"):

@@ -140,6 +140,11 @@ def test_usage_errors_exit_2(capsys, tmp_path, cli):
     code, err = _main(module, capsys, sub if cli != "mimo-shard" else "info", tmp_path, typo,
                       *(() if cli == "mimo-shard" else ("--config", "x")))
     assert code == 2 and f"unrecognized arguments: {typo} (did you mean {meant}?)" in err, err
+    # several unknown options: each with a close one named
+    code, err = _main(module, capsys, sub if cli != "mimo-shard" else "info", tmp_path, "--fast",
+                      typo, *(() if cli == "mimo-shard" else ("--config", "x")))
+    assert code == 2 and f"unrecognized arguments: --fast {typo} (did you mean {typo} -> " \
+        f"{meant}?)" in err, err
     code, err = _main(module, capsys, "info" if cli == "mimo-shard" else "report",
                       tmp_path / "missing", *(() if cli == "mimo-shard" else
                                               ("--config", REPO / "configs" / "preprocess.yaml")))

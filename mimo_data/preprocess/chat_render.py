@@ -457,7 +457,7 @@ class ChatRenderer:
             spans.append((len(before), len(after)))
         return spans
 
-    def _opening_prompt(self, message, tools) -> str:
+    def _opening_prompt(self, message: dict, tools: list | None) -> str:
         """The generation prompt before a conversation's opening answer: the template's render
         of no turns, or, for a template that fails on none (Qwen3-VL's reads
         ``messages[0]``), what it writes before the answer where that ends with its

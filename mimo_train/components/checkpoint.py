@@ -4,7 +4,8 @@ Layout on disk::
 
     DIR/step_0000040/              a megatron-core distributed checkpoint (torch_dist format:
                                    metadata.json, .metadata, __<rank>_<n>.distcp)
-    DIR/step_0000040/meta.json     step, layout, world size, global batch size, config (rank 0)
+    DIR/step_0000040/meta.json     step, layout, world size, global batch size, config, the
+                                   run's consumed samples and tokens (rank 0)
     DIR/step_0000040/integrity.json  SHA-256 of every file above (megatron-core's manifest
                                    format), each data file hashed by the rank that wrote it
                                    (``digests``), written last by rank 0

@@ -289,9 +289,10 @@ class OptimizerConfig:
         assert self.min_lr is not None                 # (__post_init__ sets it from lr)
         if not 0 <= self.min_lr <= self.lr:
             raise TrainConfigError(
-                f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]: where {where}lr "
-                f"changes, give {where}min_lr beside it (e.g. {where}min_lr="
-                f"{self.lr / 10:g}, a tenth of it)")
+                f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]" + (
+                    f": where {where}lr changes, give {where}min_lr beside it (e.g. "
+                    f"{where}min_lr={self.lr / 10:g}, a tenth of it)"
+                    if self.min_lr > self.lr else ""))
         if module is not None:          # (a module's: ``of``'s, its own modules gone)
             return
         unused = [("optimizer.", self.bucket_size)] if self.bucket_size is not None and not (
