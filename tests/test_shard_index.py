@@ -1544,6 +1544,29 @@ def test_an_empty_first_tar_decides_no_layout(corpus_photos, tmp_path, capsys):
         "member)" in err, err
 
 
+def test_a_tar_appended_with_cat_is_said_not_read_past_its_end(corpus_photos, tmp_path,
+                                                              capsys):
+    """`cat a.tar b.tar > ab.tar`: tarfile and webdataset stop at a.tar's end-of-archive
+    block, so b.tar's samples are not indexed; the data after the block is counted, not
+    dropped without a word. A tar padded with NULs alone (its record size) says nothing."""
+    photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
+    write_tar(tmp_path / "parts" / "a.tar", {"1.jpg": photo, "1.txt": b"One."})
+    write_tar(tmp_path / "parts" / "b.tar", {"2.jpg": photo, "2.txt": b"Two."})
+    (tmp_path / "src").mkdir()
+    first = (tmp_path / "parts" / "a.tar").read_bytes()
+    (tmp_path / "src" / "ab.tar").write_bytes(first + (tmp_path / "parts" / "b.tar").read_bytes())
+    code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 0 and "1 sample written, 1 member ignored (trailing_data 1)" in err, err
+    [aside] = read_json(tmp_path / "idx" / "report.json")["members_ignored_by_reason"][
+        "trailing_data"]["first"]
+    assert aside["location"] == "ab.tar" and f"followed by data at byte {len(first)}" in \
+        aside["detail"] and "tar --concatenate" in aside["detail"], aside
+    code, _, err = cli_main(capsys, "index", tmp_path / "parts" / "a.tar", "--output",
+                            tmp_path / "idx-a", "--workers", "0", "--no-progress")
+    assert code == 0 and "ignored" not in err, err
+
+
 def test_a_tar_whose_keys_members_are_apart_is_said_to_be_so(corpus_photos, tmp_path, capsys):
     """``tar cf x.tar *.jpg *.txt``: every image, then every caption. webdataset would read
     each key as two samples; detection says the members are apart and how to write the tar,

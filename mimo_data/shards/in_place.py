@@ -191,6 +191,13 @@ def index_shard(job: _Job) -> ShardResult:
              "its own (webdataset skips it too), so its sample lacks that member. GNU tar "
              "stores a file's second name as a hard link: write the tar with "
              "--hard-dereference (symbolic links: -h)") for name, link in result.walked.links]
+        if result.walked.trailing is not None:
+            end, data_at = result.walked.trailing
+            result.members_aside.append((
+                "trailing_data", job.name, f"the tar's end-of-archive block at byte {end} is "
+                f"followed by data at byte {data_at} (of {result.walked.bytes}): tars joined "
+                "with `cat`? Neither tar nor webdataset reads past that block, so none of it is "
+                "indexed: join tars with `tar --concatenate`, or index them as separate tars"))
         result.seconds = time.perf_counter() - started
         return result
     if storage.is_remote(location):

@@ -111,6 +111,7 @@ class Walked:
     stray: list[str] = field(default_factory=list)   # members that belong to no sample
     links: list[tuple[str, str]] = field(default_factory=list)   # (name, "a hard link to X")
     others: list[str] = field(default_factory=list)  # folders, devices: no file, no link
+    trailing: tuple[int, int] | None = None  # (end block's byte, data byte after it): unread
 
 
 class _Hashing:
@@ -137,11 +138,15 @@ class _Hashing:
             raise RuntimeError(f"tar walk: byte {offset} is no longer held (from {start})")
         return bytes(self._window[offset - start:offset - start + size])
 
-    def drain(self) -> str:
-        """Read to the end; the file's sha256."""
-        while self.read(1 << 20):
-            pass
-        return self._sha256.hexdigest()
+    def drain(self, after: int | None = None) -> tuple[str, int | None]:
+        """Read to the end; the file's sha256, and the first byte from ``after`` on (a byte
+        still held, or later) that is not NUL (None: none, or ``after`` None)."""
+        held = self.at(after, len(self._window)) if after is not None else b""
+        found = self.size - len(held.lstrip(b"\0")) if held.strip(b"\0") else None
+        while data := self.read(1 << 20):
+            if found is None and after is not None and data.strip(b"\0"):
+                found = self.size - len(data.lstrip(b"\0"))
+        return self._sha256.hexdigest(), found
 
 
 def walk(source: IO[bytes], walked: Walked, name: str) -> Iterator[Sample]:
@@ -196,8 +201,13 @@ def walk(source: IO[bytes], walked: Walked, name: str) -> Iterator[Sample]:
         walked.truncated = f"the tar ends inside a member ({exc})"
         walked.cut_key = reading
         stopped = None
-    walked.sha256 = stream.drain()
+    # past the end-of-archive blocks a tar holds NULs alone; data there (a tar appended with
+    # `cat`) is read by neither tarfile nor webdataset
+    after = None if walked.truncated or stopped is not None else end + 2 * _BLOCK
+    walked.sha256, data_at = stream.drain(after)
     walked.bytes = stream.size
+    if data_at is not None:
+        walked.trailing = (end, data_at)
     if stopped is not None:         # the file's size tells a cut header from a damaged one
         walked.truncated = (
             f"a damaged tar header at byte {stopped} (the file goes on to byte {stream.size}): "
