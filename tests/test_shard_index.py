@@ -1363,6 +1363,11 @@ def test_a_pair_without_its_medium_says_what_to_do():
     assert caught.value.reason == "missing_media"
     assert "the sample has m4a, txt; a medium's member ends in one of " in \
         caught.value.detail and " jpg," in caught.value.detail, caught.value.detail
+    with pytest.raises(RecordError) as caught:       # a json alone: neither of a pair
+        synthesize({"json": b"{}"}, MemberMap("pairs"))
+    assert caught.value.reason == "missing_media"
+    assert caught.value.detail.startswith("the sample has neither a medium nor KEY.txt (the "
+                                          "sample has json;"), caught.value.detail
 
 
 @pytest.mark.parametrize("hashes", ["blake2b", "all alike"])

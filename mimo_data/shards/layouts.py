@@ -398,9 +398,11 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
         named = (f" (no KEY.{mapping.media} member; the sample has {listed(sorted(members))})"
                  if mapping.media else f" (the sample has {listed(sorted(members))}; a medium's "
                  f"member ends in one of {listed(sorted(MEDIA_EXTENSIONS))})")
-        raise RecordError("missing_media", f"KEY.{text[0] if text else mapping.text} has no "
-                          f"medium beside it (a caption without its image, clip or audio)"
-                          f"{named}")
+        if text is None:            # neither of a pair: a member of something else
+            raise RecordError("missing_media", f"the sample has neither a medium nor "
+                              f"KEY.{mapping.text}{named}")
+        raise RecordError("missing_media", f"KEY.{text[0]} has no medium beside it (a caption "
+                          f"without its image, clip or audio){named}")
     if text is None:
         raise RecordError("missing_text", f"KEY.{medium[1]} has no KEY.{mapping.text} beside it "
                           "(an image without its caption; the sample has "
