@@ -2132,6 +2132,15 @@ def test_a_tar_written_again_since_its_indexing_is_said(pairs, capsys, tmp_path,
     assert code == 2 and "already holds an index of these tars, but 2 of them were written " \
         "again since (dup.tar, pairs-000001.tar): their text may differ from the index's, " \
         "which a run checks at start-up; pass --overwrite to index them again" in err, err
+    # one of them grown since (another size): said as what a run does with it, refuse
+    size = tar.stat().st_size
+    with open(tar, "ab") as grown:
+        grown.write(b"\0" * 512)
+    code, _, err = cli_main(capsys, *made)
+    assert code == 2 and "(dup.tar, pairs-000001.tar): 1 of another size, which a run refuses " \
+        "the index for; pass --overwrite to index them again" in err, err
+    os.truncate(tar, size)
+    os.utime(tar, ns=(later, later))
     # the same bytes at another time of writing (a copy): the text found as indexed, read
     # once (said), not at the next start-up
     flip_byte(tar, offset)

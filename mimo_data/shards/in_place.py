@@ -517,13 +517,17 @@ def _changed(output: str, source: Source, options: IndexOptions,
     if not added and not gone:
         remote = storage.Remote(source.root, storage_options) \
             if storage.is_remote(source.root) else None
-        rewritten = storage.rewritten(old["shards"], storage.look_up(source.root, source.shards,
-                                                                     remote))
+        found = storage.look_up(source.root, source.shards, remote)
+        rewritten = storage.rewritten(old["shards"], found)
         if rewritten:
             were = "1 was" if len(rewritten) == 1 else f"{len(rewritten)} of them were"
+            resized = [shard["name"] for shard in old["shards"] if shard["name"] in rewritten
+                       and found[shard["name"]][0] not in (None, shard.get("bytes"))]
             return (f" of these tars, but {were} written again since "
-                    f"({', '.join(rewritten[:3])}{' ...' * (len(rewritten) > 3)}): their text "
-                    f"may differ from the index's, which a run checks at start-up; {again}")
+                    f"({', '.join(rewritten[:3])}{' ...' * (len(rewritten) > 3)}): " + (
+                        f"{len(resized)} of another size, which a run refuses the index for"
+                        if resized else "their text may differ from the index's, which a run "
+                        "checks at start-up") + f"; {again}")
         return f" of these tars, read the same way; train from it as it is, {again}"
     changes = [f"{how} {len(names)} tar(s) {which} ({', '.join(names[:3])}"
                f"{' ...' * (len(names) > 3)})"
