@@ -400,6 +400,9 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     assert all(done[name] == built.files[name] for name in done
                if name.endswith(".tar") or name == "samples.parquet")
 
+    # (from here a claim not renewed lapses after 60 s, not 6: a build's start on a busy
+    # machine, seconds after the claim below is written, stays under it)
+    monkeypatch.setattr(claim, "STALE_S", 60.0)
     # a store that ignores the conditional write: a live claim is still looked at first
     fs.rm(f"{BUCKET}/claimed", recursive=True)
     live = claim.Claimant("live", "mimo-shard build", "node-6", 77, time.time(), time.time())
@@ -424,9 +427,6 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     ended = subprocess.Popen(["true"])
     ended.wait()
     monkeypatch.setattr(claim, "RENEW_S", 1.5)
-    # (from here a claim not renewed lapses after 60 s, not 6: the ages below, two renewals
-    # missed plus a build's start, stay under it on a busy machine)
-    monkeypatch.setattr(claim, "STALE_S", 60.0)
     # ... where the claim names this host's name alone (another container of that name, on
     # its network: its pids are not this one's), it is a live run's until STALE_S
     fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", claim.Claimant(
