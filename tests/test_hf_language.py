@@ -312,6 +312,11 @@ def test_a_mixture_whose_experts_or_top_k_megatron_would_change_is_refused(tmp_p
                        "router takes top-1") as refused:
         language_arch(str(tmp_path))
     assert "pre-softmax" not in str(refused.value)
+    # norm_topk_prob false: transformers' Qwen3.5-MoE router renormalizes anyway (its config
+    # drops the key), so the checkpoint is the one it says with true: taken
+    config["text_config"].update(num_experts_per_tok=2, norm_topk_prob=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert language_arch(str(tmp_path)).experts_per_token == 2
 
 
 # ------------------------------------------------------------------------------- parity

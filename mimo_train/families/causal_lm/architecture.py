@@ -28,6 +28,9 @@ MIXTURES = frozenset({"qwen3_moe", "qwen3_5_moe"})
 # families of Qwen3.5's hybrid decoder: gated delta-net layers beside gated full attention,
 # zero-centred norms (1 + weight), partial rotary, a shared expert beside the routed ones
 HYBRID = frozenset({"qwen3_5", "qwen3_5_moe"})
+# the text configs whose transformers router renormalizes the top-k weights whatever
+# norm_topk_prob says (their configs drop the key)
+RENORMALIZING = frozenset({"qwen3_vl_moe_text", "qwen3_5_moe_text"})
 # text model_types whose M-RoPE interleaves the t/h/w frequencies (Qwen3-VL's
 # ``recomposition_frequencies``) instead of giving each a contiguous section
 INTERLEAVED_MROPE = frozenset({"qwen3_vl_text", "qwen3_vl_moe_text", "qwen3_5_text",
@@ -245,7 +248,9 @@ def _unmapped(config, family: str) -> list[str]:
             problems.append("num_experts_per_tok 1 (megatron-core's router takes top-1 "
                             "routing only with the softmax before the top-k, which gives "
                             "the expert another weight than transformers' renormalized one)")
-        if getattr(config, "norm_topk_prob", True) is False:
+        # (transformers' Qwen3-VL-MoE and Qwen3.5-MoE routers renormalize whatever it says)
+        if getattr(config, "norm_topk_prob", True) is False and \
+                config.model_type not in RENORMALIZING:
             problems.append("norm_topk_prob false (routing weights not renormalized)")
     if family in HYBRID:
         kinds = set(getattr(config, "layer_types", None) or ())
