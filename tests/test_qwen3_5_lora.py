@@ -309,16 +309,18 @@ def test_mixture_of_experts_layers_are_lora_targets():
     # some routed experts only, or (where the layers are stacked alike) some layers' only:
     # refused, as their adapters could not be saved; a hybrid decoder's layers may differ
     for targets, stacked, said in (
-            (("*.local_experts.7.*",), True, "decoder.layers.0.mlp.experts.local_experts.7."
-             "linear_fc1 but not the linear_fc1 of every routed expert in every decoder layer"),
-            (("decoder.layers.1.*.local_experts.*",), True, "decoder.layers.1.mlp.experts."
-             "local_experts.0.linear_fc1 but not the linear_fc1 of every routed expert in "
-             "every decoder layer: megatron-core saves the experts' weights stacked over the "
-             "experts and the layers, which their adapters must fill: target them all "
-             "('*.local_experts.*.linear_fc1') or none"),
-            (("decoder.layers.3.*.local_experts.7.*",), False, "decoder.layers.3.mlp.experts."
-             "local_experts.7.linear_fc1 but not the linear_fc1 of every routed expert of its "
-             "layer")):
+            (("*.local_experts.7.*",), True, "adapt 4 of the 32 routed experts' linear_fc1 "
+             "(the first decoder.layers.0.mlp.experts.local_experts.7.linear_fc1), not the "
+             "linear_fc1 of every routed expert in every decoder layer"),
+            # one layer's every expert (stacked layers): said as 8 of the 32, not as one
+            (("decoder.layers.1.*.local_experts.*",), True, "adapt 8 of the 32 routed experts' "
+             "linear_fc1 (the first decoder.layers.1.mlp.experts.local_experts.0.linear_fc1), "
+             "not the linear_fc1 of every routed expert in every decoder layer: megatron-core "
+             "saves the experts' weights stacked over the experts and the layers, which their "
+             "adapters must fill: target them all ('*.local_experts.*.linear_fc1') or none"),
+            (("decoder.layers.3.*.local_experts.7.*",), False, "adapt 1 of the 8 routed "
+             "experts' linear_fc1 (the first decoder.layers.3.mlp.experts.local_experts.7."
+             "linear_fc1), not the linear_fc1 of every routed expert of its layer")):
         with pytest.raises(TrainConfigError, match=re.escape(said)):
             check_language_targets(adapted(*targets), 4, 8, shared_expert=True,
                                    linear_layers=frozenset() if stacked else

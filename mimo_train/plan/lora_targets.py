@@ -94,10 +94,11 @@ def _check_routed_experts(adapted: Adapted, num_layers: int, experts: int,
     for key, count in groups.items():
         if count != experts * (num_layers if stacked else 1):
             fc = key[-1]
+            taken = experts * (num_layers if stacked else 1)
             raise TrainConfigError(
-                f"model.lora.{adapted.part.name}.targets adapt {first[key]} but not the {fc} "
-                "of every routed expert" + (" in every decoder layer" if stacked else
-                                            " of its layer") +
+                f"model.lora.{adapted.part.name}.targets adapt {count} of the {taken} routed "
+                f"experts' {fc} (the first {first[key]}), not the {fc} of every routed expert" +
+                (" in every decoder layer" if stacked else " of its layer") +
                 ": megatron-core saves the experts' weights stacked over the experts" +
                 (" and the layers" if stacked else "") + ", which their adapters must fill: "
                 f"target them all ('*.local_experts.*.{fc}') or none")
