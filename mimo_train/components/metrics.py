@@ -479,6 +479,13 @@ def _holds_events(folder: str) -> bool:
         name.startswith("events.out.tfevents.") for name in os.listdir(folder))
 
 
+def _sequence_tokens(reading: dict[str, list[float]], modules: int) -> int | None:
+    """A step's sequence tokens, which follow its ``modules`` FLOPs in its reading (None:
+    this rank's reading holds none)."""
+    flops = reading["flops"]
+    return int(flops[modules]) if len(flops) > modules else None
+
+
 def _add(totals: dict[str, int], samples: int, tokens: int, sequence: int | None) -> None:
     """Add a step's samples and tokens to a run's ``totals`` (a skipped step's too: its
     samples are consumed); a total the records cannot give (a checkpoint without it; a step
@@ -625,9 +632,9 @@ class Metrics:
         world = dist.get_world_size()
         for record, reading in zip(read, readings):
             flops = reading["flops"]
-            if len(flops) > len(names):            # the samples' tokens follow
-                sequence = flops[len(names)]
-                record.update(sequence_tokens=int(sequence),
+            sequence = _sequence_tokens(reading, len(names))
+            if sequence is not None:
+                record.update(sequence_tokens=sequence,
                               sequence_tokens_per_s=sequence / record["seconds"])
             record.update(flops_fields(dict(zip(names, flops)), record["seconds"], world,
                                        self.peak_tflops))
@@ -645,12 +652,10 @@ class Metrics:
         included (their readings are read: the device has run them), for a checkpoint's
         ``consumed``: a copy, which later steps leave as it is."""
         totals = dict(self.consumed)
-        names = len(self.layout.modules)
         for p in self.pending:
             reading = p.readings.read()
-            flops = reading["flops"]
             _add(totals, p.global_batch_size, int(reading["sums"][1]),
-                 int(flops[names]) if len(flops) > names else None)
+                 _sequence_tokens(reading, len(self.layout.modules)))
         return totals
 
     def publish(self) -> None:

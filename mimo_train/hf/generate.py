@@ -656,8 +656,11 @@ def _history_of(path: str, parser: argparse.ArgumentParser) -> list:
             found = json.load(file)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         parser.error(f"--history {path}: cannot be read as JSON ({exc})")
-    turns = found.get("messages", found.get("conversations")) if isinstance(found, dict) \
-        else found
+    from mimo_data.shards.records import RecordError, conversation_turns
+    try:
+        turns = conversation_turns(found) if isinstance(found, dict) else found
+    except RecordError as error:
+        parser.error(f"--history {path}: {error.detail}")
     if not isinstance(turns, list) or not turns:
         parser.error(f"--history {path} holds no turns: give a JSON list of turns "
                      "(role/content or from/value), or a record holding them as messages or "
