@@ -56,8 +56,8 @@ from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, co
 from mimo_train.components import checkpoint_owner, digests
 from mimo_train.components.checkpoint_fit import module_of
 from mimo_train.components.optimizer import schedule_changes
-from mimo_train.components.optimizer_state import (OPTIMIZER_METADATA, adam_betas_as,
-                                                   common_as, lr_bounds_as, main_weights_from)
+from mimo_train.components.optimizer_state import (OPTIMIZER_METADATA, common_as,
+                                                   main_weights_from, settings_as)
 from mimo_train.errors import CheckpointError, IntegrityError
 from mimo_train.model.lora import is_adapter
 from mimo_train.runtime import distributed
@@ -549,7 +549,7 @@ def load(directory: str, state: TrainingState, meta: dict,
          meta_expected: dict) -> tuple[int, dict]:
     """Load ``state`` from the checkpoint ``check`` accepted (collective); returns its step and
     how this rank's LR schedules and Adam betas differ from the checkpoint's (they follow this
-    run's config): module -> ``optimizer.schedule_changes`` and ``adam_betas_as``."""
+    run's config): module -> ``optimizer.schedule_changes`` and ``settings_as``."""
     same_layout = all(meta.get(key) == meta_expected[key] for key in ("layout", "world_size"))
     sharded = _sharded(state, 0, is_loading=True, rng=same_layout)
     own = {name: sharded["singles"][f"optimizer.{name}"].data for name in state.optimizers
@@ -564,8 +564,7 @@ def load(directory: str, state: TrainingState, meta: dict,
         optimizer = loaded["optimizer"][name]
         if f"optimizer.{name}" in singles:
             merge(optimizer, common_as(singles[f"optimizer.{name}"], own[name]))
-        lr_bounds_as(optimizer, module_optimizer)
-        betas[name] = adam_betas_as(optimizer, module_optimizer)
+        betas[name] = settings_as(optimizer, module_optimizer)
         module_optimizer.load_state_dict(optimizer)
         unshare_steps(module_optimizer)
         use_fused_adam(module_optimizer)          # the checkpoint's groups say otherwise

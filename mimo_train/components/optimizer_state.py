@@ -6,8 +6,7 @@ resumes under any layout and optimizer setting (``components.checkpoint`` saves 
   kept them (with or without the distributed optimizer);
 - ``common_as``: the unsharded state (param groups, step) in the loading optimizer's form:
   distributed or plain, one optimizer or the chain a mixture of experts' experts get;
-- ``lr_bounds_as``: the saved param groups given this run's LR bounds;
-- ``adam_betas_as``: the saved param groups given this run's Adam betas.
+- ``settings_as``: the saved param groups given this run's LR bounds and Adam betas.
 """
 
 from __future__ import annotations
@@ -141,30 +140,23 @@ def _one_common_as(common: dict, own: dict) -> dict:
     return {"optimizer": torch_state} if "optimizer" in own else torch_state
 
 
-def lr_bounds_as(saved: dict, optimizer) -> None:
+def settings_as(saved: dict, optimizer) -> dict:
     """Give the param groups in ``saved`` (a module optimizer's loaded state) ``optimizer``'s
-    LR bounds, its module's ``lr`` and ``min_lr`` (``optimizer.build_optimizer``): megatron-core
-    finds each group's saved state by the group's settings, bounds included, so a run resumed
-    with other bounds would find none."""
+    settings, this run's config (``optimizer.build_optimizer``): its module's LR bounds
+    (``lr``, ``min_lr``: megatron-core finds each group's saved state by the group's settings,
+    bounds included, so a run resumed with other bounds would find none) and Adam betas
+    (``adam_beta1``, ``adam_beta2``: torch's ``load_state_dict`` would put the saved ones back,
+    silently). Returns how the betas changed, setting -> (was, now), for the start-up notes
+    (the schedulers say the LR's)."""
     (bounds,) = {(group["max_lr"], group["min_lr"]) for group in optimizer.param_groups}
-    for node in _dicts(saved):
-        for group in node.get("param_groups") or ():
-            group["max_lr"], group["min_lr"] = bounds
-
-
-def adam_betas_as(saved: dict, optimizer) -> dict:
-    """Give the param groups in ``saved`` (a module optimizer's loaded state) ``optimizer``'s
-    Adam betas, this run's ``optimizer.adam_beta1`` and ``adam_beta2``: torch's
-    ``load_state_dict`` would put the saved betas back over this run's config, silently.
-    Returns what changed, setting -> (was, now), for the start-up notes."""
     (betas,) = {tuple(group["betas"]) for group in optimizer.param_groups}
     changes = {}
     for node in _dicts(saved):
         for group in node.get("param_groups") or ():
-            for i, setting in enumerate(("adam_beta1", "adam_beta2")):
-                if "betas" in group and group["betas"][i] != betas[i]:
-                    changes[setting] = (group["betas"][i], betas[i])
+            group["max_lr"], group["min_lr"] = bounds
             if "betas" in group:
+                changes.update({setting: (was, now) for setting, was, now in zip(
+                    ("adam_beta1", "adam_beta2"), group["betas"], betas) if was != now})
                 group["betas"] = betas
     return changes
 
