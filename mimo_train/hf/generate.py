@@ -353,18 +353,18 @@ class Generator:
             raise GenerateError(f"the system turn holds a <{typed[0]}> marker: it takes text "
                                 "alone (media go in the prompt)")
         earlier = _history_turns(history, system)
-        said = "".join(turn["content"] for turn in earlier) + prompt
+        before = "".join(turn["content"] for turn in earlier)
         has = ", ".join(sorted(self.encoders)) or "none"
         for modality, paths in files.items():
             if paths and modality not in self.encoders:
                 raise GenerateError(f"--{modality} given, but the model has no {modality} "
                                     f"encoder (it has {has})")
-        for modality in dict.fromkeys(_MARKER.findall(said)):
+        for modality in dict.fromkeys(_MARKER.findall(before + prompt)):
             if modality not in self.encoders:
                 raise GenerateError(f"the prompt's <{modality}> marker asks for {modality} "
                                     f"input, but the model has no {modality} encoder (it has "
                                     f"{has}): remove the marker")
-        content, order = _place_markers(prompt, files, said[:len(said) - len(prompt)])
+        content, order = _place_markers(prompt, files, before)
         if not thinking and "enable_thinking" not in (self.preprocessor.text.renderer.template
                                                       or ""):
             print("mimo-generate: --no-thinking: the model's chat template reads no "
@@ -688,8 +688,9 @@ def _prompt_of(path: str, parser: argparse.ArgumentParser) -> str:
 
 def _history_turns(history: Sequence[dict], system: str | None) -> list[Message]:
     """The turns before the prompt as messages (``normalize_messages``: role/content or
-    ShareGPT's from/value); GenerateError where the last is no answer, they are no
-    conversation, or a system turn is given beside ``system`` or after the first turn."""
+    ShareGPT's from/value; typed parts made text, an image part its marker); GenerateError
+    where the last is no answer, they are no conversation, or a system turn is given beside
+    ``system`` or after the first turn."""
     from mimo_data.shards.records import ROLE_ALIASES, RecordError, normalize_messages
     if not history:
         return []
